@@ -1,0 +1,43 @@
+"""The few collectives the snapshot protocol needs, on a gloo group of its own: they run from the commit
+thread and must never interleave with the training loop's collectives on the default group."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class Agreement:
+    def __init__(self, timeout_s: float):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.group, self.rank, self.world_size = None, 0, 1
+
+    def min(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (same length on all ranks), indexed by rank."""
+        if not self.distributed:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+
+def all_gather_bytes(share: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every group member's equal-length uint8 `share`, in group-rank order."""
+    on_gpu = "nccl" in str(dist.get_backend(group))
+    src = share.cuda() if on_gpu else share
+    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, src, group=group)
+    return torch.cat(parts).cpu()

@@ -1,0 +1,23 @@
+"""Random-number-generator states a bit-identical resume needs; frameworks save none of them (DeepSpeed)
+or only some, so inmem_ft carries them itself."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def capture_rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,248 @@
+"""The trainer-side API: save a rank's state into its node's SMP every N steps, restore it after a crash.
+
+save() returns once the bytes are out of device memory; checksums, the commit to the SMP and the
+job-wide agreement that a step is complete run in a background thread. A step counts only when every
+rank committed it, and the SMP never overwrites the newest such step, so some complete step always
+survives a crash at any instant.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..config import SnapshotConfig
+from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt
+from ..smp.client import SMPClient
+from ..smp.segments import Segment
+from ..snapshot import layout, segment as seg
+from ..snapshot.tree import flatten
+from .agreement import Agreement, all_gather_bytes
+from .copier import Copier
+
+log = logging.getLogger("inmem_ft.capture")
+NO_STEP = -1
+
+
+@dataclass
+class Metrics:
+    snapshots: int = 0
+    failures: int = 0
+    last_stall_s: float = 0.0
+    total_stall_s: float = 0.0
+    last_commit_s: float = 0.0
+    last_bytes: int = 0
+    stalls_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RestoreInfo:
+    step: int
+    source: str
+    seconds: float
+    bytes: int
+
+
+class _Attached:
+    """A slot mapped into this process, with a uint8 tensor over it for torch copies."""
+
+    def __init__(self, name: str):
+        self.segment = Segment(name)
+        self.segment.populate()
+        self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.bytes
+        self.segment.close()
+
+
+class Snapshotter:
+    """Per-rank handle on the node's SMP. Create it on every rank after init_process_group."""
+
+    def __init__(self, config: SnapshotConfig | None = None, *, dp_group=None):
+        self.config = config or SnapshotConfig.from_env()
+        self._agree = Agreement(self.config.timeout_s)
+        self.rank, self.world_size = self._agree.rank, self._agree.world_size
+        self.dp_group = dp_group
+        self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._smp = SMPClient(self.config.socket_path, timeout_s=self.config.timeout_s)
+        self._smp.call("ping")  # no SMP: fail now, with the command that starts one
+        self._copier = Copier(self.config.staging_budget)
+        self._attached: dict[str, _Attached] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-commit")
+        self._pending: Future | None = None
+        self._complete: int | None = None
+        self._reserved = False
+        self.metrics = Metrics()
+        self.last_restore: RestoreInfo | None = None
+
+    # ---- saving -----------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.config.interval == 0
+
+    def maybe_save(self, step: int, state_fn) -> bool:
+        """Save `state_fn()` if `step` is a snapshot step; the state is only built when needed."""
+        if not self.due(step):
+            return False
+        self.save(step, state_fn())
+        return True
+
+    def save(self, step: int, state) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        flat = flatten(state)
+        plan = layout.plan(flat, step=step, rank=self.rank, world_size=self.world_size, dp_rank=self.dp_rank,
+                           dp_size=self.dp_size)
+        manifest_len = len(seg.encode_manifest(plan.manifest))
+        target, work, error = None, None, None
+        try:
+            reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
+                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
+            self._reserved = True
+            target = self._attach(reply["segment"])
+            data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
+            work = self._copier.copy(flat.leaves, plan.copies, data)
+        except InmemFTError as e:
+            error = e
+        stall = time.perf_counter() - t0
+        m = self.metrics
+        m.last_stall_s, m.last_bytes = stall, plan.data_len
+        m.total_stall_s += stall
+        m.stalls_s.append(stall)
+        # Submitted even after an error: every rank must take part in the step's agreement.
+        self._pending = self._pool.submit(self._finish, step, plan, target, reply if target else None, work,
+                                          error)
+
+    def _finish(self, step, plan, target, reply, work, error) -> None:
+        t0 = time.perf_counter()
+        if error is None:
+            try:
+                data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
+                self._copier.drain(work, data)
+                seg.region_hashes(target.segment.buf[reply["data_off"]:], plan.manifest)
+                raw = seg.encode_manifest(plan.manifest)
+                target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+                self._smp.call("commit", rank=self.rank, step=step)
+            except InmemFTError as e:
+                error = e
+        agreed = self._agree.min(NO_STEP if error else step)
+        if agreed == step:
+            self._complete = step
+            try:
+                self._smp.call("complete", step=step)
+            except InmemFTError as e:
+                error = e
+        self.metrics.last_commit_s = time.perf_counter() - t0
+        if error is not None:
+            self.metrics.failures += 1
+            log.error("snapshot rank=%d step=%d event=failed: %s", self.rank, step, error)
+            raise error
+        self.metrics.snapshots += 1
+        log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
+                 self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
+                 plan.data_len)
+
+    def wait(self) -> None:
+        """Block until the last snapshot is committed (or failed)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except InmemFTError:
+            if self.config.on_error == "raise":
+                raise
+
+    def _attach(self, name: str) -> _Attached:
+        if name not in self._attached:
+            # A resized slot gets a new name; the old mapping is dead weight.
+            for old in [n for n in self._attached if n.rsplit(".g", 1)[0] == name.rsplit(".g", 1)[0]]:
+                self._attached.pop(old).close()
+            self._attached[name] = _Attached(name)
+        return self._attached[name]
+
+    # ---- restoring --------------------------------------------------------------------------------------
+    def restore(self):
+        """Collective: the state of the newest step every rank holds intact, or None to start fresh."""
+        self.wait()
+        t0 = time.perf_counter()
+        local = self._verified_local_slots()
+        mismatch = next((m["world_size"] for _, _, m in local if m["world_size"] != self.world_size), 0)
+        steps = [s for s, _, _ in local][: 2] + [NO_STEP] * (2 - min(2, len(local)))
+        everyone = self._agree.gather(steps + [mismatch])
+        for rank, row in enumerate(everyone):
+            if row[2]:
+                raise LayoutMismatch(
+                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
+                    f"{self.world_size}; restart with the original layout, or convert with the universal "
+                    f"loader (`inmem-ft export`). Nothing was discarded.")
+        common = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in everyone))
+        if not common:
+            if any(s != NO_STEP for row in everyone for s in row[:2]):
+                log.warning("restore rank=%d event=none_complete steps_per_rank=%s: no step is intact on every "
+                            "rank; starting from scratch", self.rank, [row[:2] for row in everyone])
+            self._smp.call("restored", rank=self.rank, step=None)
+            self._complete = None
+            return None
+        step = max(common)
+        attached, manifest = next((a, m) for s, a, m in local if s == step)
+        header = seg.Header.read(attached.segment.buf)
+        data = attached.bytes[header.data_off: header.data_off + header.data_len]
+        replicated = self._gather_replicated(manifest, data)
+        state = layout.unpack(manifest, data, replicated)
+        self._smp.call("restored", rank=self.rank, step=step)
+        self._complete = step
+        self.last_restore = RestoreInfo(step, "memory", time.perf_counter() - t0, header.data_len)
+        log.info("restore rank=%d step=%d source=memory seconds=%.3f bytes=%d", self.rank, step,
+                 self.last_restore.seconds, header.data_len)
+        return state
+
+    def _verified_local_slots(self):
+        out = []
+        for entry in self._smp.call("list", rank=self.rank)["slots"]:
+            attached = self._attach(entry["segment"])
+            try:
+                _, manifest = seg.verify(attached.segment.buf, f"rank {self.rank} slot {entry['segment']}")
+            except SnapshotCorrupt as e:
+                log.warning("restore rank=%d step=%d event=corrupt: %s; falling back to an older snapshot",
+                            self.rank, entry["step"], e)
+                continue
+            out.append((entry["step"], attached, manifest))
+        return out
+
+    def _gather_replicated(self, manifest: dict, data: torch.Tensor) -> torch.Tensor | None:
+        rep = manifest.get("replicated")
+        if not rep:
+            return None
+        if rep["dp_size"] != self.dp_size:
+            raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
+                                 f"data-parallel ranks, this job has {self.dp_size}; restart with the original "
+                                 f"layout or convert with `inmem-ft export`")
+        _, _, chunk = layout.share_bounds(rep["total"], self.dp_rank, self.dp_size)
+        share = torch.zeros(chunk, dtype=torch.uint8)
+        share[: rep["hi"] - rep["lo"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+        if self.dp_size == 1:
+            return share
+        return all_gather_bytes(share, self.dp_group)[: rep["total"]]
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            for attached in self._attached.values():
+                attached.close()
+            self._attached.clear()
+            self._smp.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

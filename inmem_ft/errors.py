@@ -1,0 +1,29 @@
+"""Exceptions a user can act on. Every message says what is wrong and what to do next."""
+
+
+class InmemFTError(RuntimeError):
+    """Base class of every error inmem_ft raises on purpose."""
+
+
+class ConfigError(InmemFTError, ValueError):
+    """A configuration value is invalid."""
+
+
+class SMPUnavailable(InmemFTError):
+    """The node's snapshot management process cannot be reached."""
+
+
+class BudgetExceeded(InmemFTError):
+    """A snapshot does not fit the configured memory budget."""
+
+
+class SnapshotCorrupt(InmemFTError):
+    """A snapshot failed its checksums or is torn; it is never loaded."""
+
+
+class LayoutMismatch(InmemFTError):
+    """The stored snapshot was taken by a job of another shape."""
+
+
+class UnsafeType(InmemFTError, TypeError):
+    """A value in the state cannot be stored without pickle."""

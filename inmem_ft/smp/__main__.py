@@ -1,0 +1,29 @@
+"""python -m inmem_ft.smp: run one node's SMP in the foreground (`inmem-ft smp start` daemonizes this)."""
+import argparse
+import logging
+import os
+import sys
+
+from .. import units
+from . import paths
+from .daemon import SMP, check_budget_fits
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m inmem_ft.smp")
+    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"))
+    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")))
+    p.add_argument("--socket", default=None)
+    p.add_argument("--memory-budget", required=True, type=units.parse_size)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
+    check_budget_fits(args.memory_budget)
+    smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
+    smp.adopt_existing()
+    smp.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

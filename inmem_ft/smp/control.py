@@ -1,0 +1,66 @@
+"""Start, stop and query a node's SMP daemon (used by the CLI, the launcher and the tests)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from ..errors import SMPUnavailable
+from . import paths
+from .client import SMPClient
+
+
+def ping(socket_path: str) -> dict | None:
+    client = SMPClient(socket_path, timeout_s=5)
+    try:
+        return client.call("ping")
+    except SMPUnavailable:
+        return None
+    finally:
+        client.close()
+
+
+def start(job: str, node: int, memory_budget: int, socket_path: str | None = None,
+          log_path: str | None = None, wait_s: float = 30.0) -> subprocess.Popen:
+    """Start the daemon in its own session (it outlives the caller) and wait until it answers."""
+    socket_path = socket_path or paths.default_socket(job, node)
+    if ping(socket_path):
+        raise SMPUnavailable(f"an SMP already serves {socket_path}; stop it first (`inmem-ft smp stop`)")
+    paths.make_private_dir(os.path.dirname(socket_path))
+    log_path = log_path or paths.default_log(job, node)
+    log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
+    cmd = [sys.executable, "-m", "inmem_ft.smp", "--job", job, "--node", str(node), "--socket", socket_path,
+           "--memory-budget", str(memory_budget)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if ping(socket_path):
+            return proc
+        if proc.poll() is not None:
+            raise SMPUnavailable(f"the SMP exited with code {proc.returncode} before it was ready; "
+                                 f"its log {log_path} ends with:\n{_tail(log_path)}")
+        time.sleep(0.05)
+    proc.kill()
+    raise SMPUnavailable(f"the SMP did not answer on {socket_path} within {wait_s:.0f} s; see {log_path}")
+
+
+def _tail(path: str, lines: int = 8) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def call(socket_path: str, op: str, **fields) -> dict:
+    client = SMPClient(socket_path)
+    try:
+        return client.call(op, **fields)
+    finally:
+        client.close()
+
+
+def stop(socket_path: str, wipe: bool = False, wait_s: float = 10.0) -> None:
+    call(socket_path, "shutdown", wipe=wipe)
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(socket_path) and time.monotonic() < deadline:
+        time.sleep(0.05)

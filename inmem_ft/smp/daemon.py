@@ -1,0 +1,297 @@
+"""The snapshot management process (SMP): one per node, outside the trainers, owning their snapshot memory.
+
+Each rank has two slots. The slot header in shared memory is the only record of a slot's state, so the
+daemon can be killed and restarted and re-adopt what is there. Trainers write tensor bytes and the manifest
+straight into a slot; the daemon hands out slots, seals commits, and never overwrites the newest step the
+job has declared complete on every rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import socketserver
+import struct
+import threading
+import time
+
+from ..errors import SnapshotCorrupt
+from ..snapshot import segment as seg
+from ..snapshot.checksum import checksum
+from . import paths, protocol
+from .segments import Segment, free_bytes, names_with_prefix, unlink
+
+log = logging.getLogger("inmem_ft.smp")
+SLOTS_PER_RANK = 2
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Slot:
+    def __init__(self, segment: Segment, generation: int):
+        self.segment, self.generation = segment, generation
+
+    @property
+    def header(self) -> seg.Header | None:
+        return seg.Header.read(self.segment.buf)
+
+    def committed_step(self) -> int | None:
+        h = self.header
+        return h.step if h is not None and h.state == seg.COMMITTED else None
+
+    def blank(self) -> None:
+        self.segment.buf[: seg.HEADER_SIZE] = bytes(seg.HEADER_SIZE)
+
+
+class SMP:
+    def __init__(self, job: str, node: int, socket_path: str, budget_bytes: int):
+        self.job, self.node, self.socket_path, self.budget = paths.check_job(job), node, socket_path, budget_bytes
+        self.prefix = paths.segment_prefix(job, node)
+        self.slots: dict[int, list[Slot | None]] = {}
+        self.writers: dict[int, tuple[int, int]] = {}  # rank -> (slot index, connection id)
+        self.complete_step: int | None = None
+        self.lock = threading.RLock()
+        self.started = time.time()
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        return sum(s.segment.size for slots in self.slots.values() for s in slots if s is not None)
+
+    def _allocate(self, rank: int, index: int, size: int) -> Slot:
+        old = self.slots[rank][index]
+        in_use = self.used_bytes() - (old.segment.size if old else 0)
+        if in_use + size > self.budget:
+            raise RequestError("budget", (
+                f"node {self.node} memory budget exceeded: rank {rank} needs {SLOTS_PER_RANK} slots of "
+                f"{size / 2**20:.1f} MiB but {in_use / 2**20:.1f} of {self.budget / 2**20:.1f} MiB are in use; "
+                f"start the SMP with a larger --memory-budget (at least "
+                f"{SLOTS_PER_RANK * size * len(self.slots) / 2**20:.0f} MiB for {len(self.slots)} local ranks)"))
+        generation = old.generation + 1 if old else 0
+        if old is not None:
+            old.segment.close()
+            old.segment.unlink()
+        name = paths.segment_name(self.job, self.node, rank, index, generation)
+        try:
+            slot = Slot(Segment(name, size, create=True), generation)
+        except MemoryError as e:
+            raise RequestError("budget", str(e)) from None
+        self.slots[rank][index] = slot
+        log.info("smp node=%d event=allocate rank=%d slot=%d bytes=%d", self.node, rank, index, size)
+        return slot
+
+    # ---- re-adoption ----------------------------------------------------------------------------------
+    def adopt_existing(self) -> None:
+        for name in names_with_prefix(self.prefix):
+            parsed = paths.parse_segment_name(name)
+            if parsed is None:
+                continue
+            rank, index, generation = parsed
+            slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+            segment = None
+            try:
+                if index >= SLOTS_PER_RANK or slots[index] is not None:
+                    raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
+                segment = Segment(name)
+                header, _ = seg.verify(segment.buf, name)
+            except (SnapshotCorrupt, ValueError, OSError) as e:
+                log.warning("smp node=%d event=discard segment=%s reason=%s", self.node, name, e)
+                if segment is not None:
+                    segment.close()
+                unlink(name)
+                continue
+            slots[index] = Slot(segment, generation)
+            log.info("smp node=%d event=adopt rank=%d slot=%d step=%d", self.node, rank, index, header.step)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def handle(self, msg: dict, conn_id: int) -> dict:
+        op = msg.get("op")
+        fn = getattr(self, f"op_{op}", None)
+        if fn is None:
+            raise RequestError("bad_request", f"unknown operation {op!r}")
+        with self.lock:
+            return fn(msg, conn_id)
+
+    def op_ping(self, msg, conn_id):
+        return {"job": self.job, "node": self.node, "pid": os.getpid()}
+
+    def op_begin(self, msg, conn_id):
+        rank, step, keep = int(msg["rank"]), int(msg["step"]), msg.get("keep_step")
+        man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
+        size = seg.slot_size(man_len, data_len)
+        slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+        if msg.get("reserve"):
+            for i in range(SLOTS_PER_RANK):
+                if slots[i] is None or slots[i].segment.size < size:
+                    if slots[i] is None or slots[i].committed_step() != keep:
+                        self._allocate(rank, i, size)
+        index = self._choose(slots, keep)
+        slot = slots[index]
+        if slot is None or slot.segment.size < size:
+            slot = self._allocate(rank, index, size)
+        seg.Header(seg.WRITING, step, man_len, seg.data_offset(man_len), data_len).write(slot.segment.buf)
+        self.writers[rank] = (index, conn_id)
+        return {"segment": slot.segment.name, "data_off": seg.data_offset(man_len), "slot": index}
+
+    @staticmethod
+    def _choose(slots: list[Slot | None], keep: int | None) -> int:
+        """A slot to write: never the one holding `keep`; else an empty one; else the older step."""
+        def rank_of(i):
+            step = slots[i].committed_step() if slots[i] is not None else None
+            return (step is not None and step == keep, -1 if step is None else step)
+        return min(range(SLOTS_PER_RANK), key=rank_of)
+
+    def op_commit(self, msg, conn_id):
+        rank, step = int(msg["rank"]), int(msg["step"])
+        index, _ = self.writers.get(rank, (None, None))
+        if index is None:
+            raise RequestError("bad_request", f"rank {rank} commits step {step} without a begin")
+        slot = self.slots[rank][index]
+        header = slot.header
+        if header is None or header.state != seg.WRITING or header.step != step:
+            raise RequestError("bad_request", f"rank {rank} step {step}: slot is not being written")
+        raw = seg.manifest_view(slot.segment.buf, header)
+        try:
+            manifest = json.loads(bytes(raw))
+        except ValueError:
+            raise RequestError("corrupt", f"rank {rank} step {step}: manifest is not valid JSON") from None
+        if manifest.get("rank") != rank or manifest.get("step") != step:
+            raise RequestError("corrupt", f"rank {rank} step {step}: manifest names another rank/step")
+        header.state, header.manifest_hash = seg.COMMITTED, checksum(raw)
+        header.write(slot.segment.buf)
+        del self.writers[rank]
+        log.info("smp node=%d event=commit rank=%d step=%d bytes=%d", self.node, rank, step, header.data_len)
+        return {}
+
+    def op_abort(self, msg, conn_id):
+        self._drop_writer(int(msg["rank"]), "aborted by trainer")
+        return {}
+
+    def _drop_writer(self, rank: int, why: str) -> None:
+        index, _ = self.writers.pop(rank, (None, None))
+        if index is not None:
+            slot = self.slots[rank][index]
+            header = slot.header
+            slot.blank()
+            log.warning("smp node=%d event=torn rank=%d step=%s reason=%s: slot discarded", self.node, rank,
+                        header.step if header else "?", why)
+
+    def op_list(self, msg, conn_id):
+        rank = int(msg["rank"])
+        out = []
+        for slot in self.slots.get(rank, []):
+            if slot is not None and slot.committed_step() is not None:
+                out.append({"segment": slot.segment.name, "step": slot.committed_step()})
+        return {"slots": sorted(out, key=lambda s: -s["step"])}
+
+    def op_complete(self, msg, conn_id):
+        self.complete_step = int(msg["step"])
+        return {}
+
+    def op_restored(self, msg, conn_id):
+        """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
+        rank, step = int(msg["rank"]), msg.get("step")
+        for slot in self.slots.get(rank, []):
+            committed = slot.committed_step() if slot is not None else None
+            if committed is not None and (step is None or committed > step):
+                slot.blank()
+                log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
+                         rank, committed, "scratch" if step is None else f"step {step}")
+        self.complete_step = step
+        return {}
+
+    def op_status(self, msg, conn_id):
+        ranks = []
+        for rank in sorted(self.slots):
+            slots = []
+            for i, slot in enumerate(self.slots[rank]):
+                if slot is None:
+                    continue
+                h = slot.header
+                state = {seg.COMMITTED: "committed", seg.WRITING: "writing"}.get(h.state if h else 0, "empty")
+                slots.append({"slot": i, "state": state, "step": h.step if h and h.state else None,
+                              "bytes": h.data_len if h and h.state else 0, "capacity": slot.segment.size})
+            ranks.append({"rank": rank, "slots": slots})
+        return {"job": self.job, "node": self.node, "pid": os.getpid(), "budget": self.budget,
+                "used": self.used_bytes(), "complete_step": self.complete_step, "ranks": ranks,
+                "uptime_s": round(time.time() - self.started, 1)}
+
+    def op_shutdown(self, msg, conn_id):
+        if msg.get("wipe"):
+            self.wipe()
+        threading.Thread(target=self.server.shutdown, daemon=True).start()
+        return {}
+
+    def wipe(self) -> None:
+        for slots in self.slots.values():
+            for slot in slots:
+                if slot is not None:
+                    slot.segment.close()
+                    slot.segment.unlink()
+        self.slots.clear()
+        log.info("smp node=%d event=wipe", self.node)
+
+    def disconnected(self, conn_id: int) -> None:
+        with self.lock:
+            for rank, (_, owner) in list(self.writers.items()):
+                if owner == conn_id:
+                    self._drop_writer(rank, "trainer disconnected mid-write")
+
+    # ---- serving ----------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        paths.make_private_dir(os.path.dirname(self.socket_path))
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # stale socket of a dead SMP; a live one was ruled out by the caller
+        smp = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self):
+                uid = struct.unpack("3i", self.request.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+                if uid != os.getuid():
+                    log.warning("smp node=%d event=refused peer_uid=%d", smp.node, uid)
+                    return
+                conn_id = id(self)
+                try:
+                    while True:
+                        msg = protocol.recv(self.request)
+                        try:
+                            reply = {"ok": True, **smp.handle(msg, conn_id)}
+                        except RequestError as e:
+                            reply = {"ok": False, "code": e.code, "error": str(e)}
+                        except (KeyError, TypeError, ValueError) as e:
+                            reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
+                        protocol.send(self.request, reply)
+                except (protocol.ProtocolError, OSError):
+                    pass
+                finally:
+                    smp.disconnected(conn_id)
+
+        old_umask = os.umask(0o177)  # the socket file is created owner-only
+        try:
+            self.server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
+        finally:
+            os.umask(old_umask)
+        self.server.daemon_threads = True
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
+                 self.socket_path, self.budget, os.getpid())
+        try:
+            self.server.serve_forever(poll_interval=0.2)
+        finally:
+            self.server.server_close()
+            if os.path.exists(self.socket_path):
+                os.unlink(self.socket_path)
+            log.info("smp node=%d event=stopped", self.node)
+
+
+def check_budget_fits(budget_bytes: int) -> None:
+    free = free_bytes()
+    if budget_bytes > free:
+        raise SystemExit(
+            f"inmem-ft smp: memory budget {budget_bytes / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
+            f"in /dev/shm; lower --memory-budget or enlarge /dev/shm (mount -o remount,size=...)")

@@ -1,0 +1,59 @@
+"""Where a node's SMP puts its socket and log, and how its segments are named."""
+from __future__ import annotations
+
+import os
+import re
+
+_JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_job(job: str) -> str:
+    if not _JOB.match(job or ""):
+        raise ValueError(f"job id {job!r} must be 1-64 characters of letters, digits, '_' or '-'")
+    return job
+
+
+def runtime_dir() -> str:
+    base = os.environ.get("INMEM_FT_RUNTIME_DIR")
+    if not base:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        base = os.path.join(xdg, "inmem_ft") if xdg else f"/tmp/inmem_ft-{os.getuid()}"
+    return base
+
+
+def job_dir(job: str) -> str:
+    return os.path.join(runtime_dir(), check_job(job))
+
+
+def make_private_dir(path: str) -> str:
+    """Create the directory owner-only; refuse one another user owns or can write."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700 "
+                              f"(it is uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); fix or remove it")
+    return path
+
+
+def default_socket(job: str, node: int) -> str:
+    return os.path.join(job_dir(job), f"node{node}.sock")
+
+
+def default_log(job: str, node: int) -> str:
+    return os.path.join(job_dir(job), f"node{node}.log")
+
+
+def segment_prefix(job: str, node: int) -> str:
+    return f"inmemft.{check_job(job)}.n{node}."
+
+
+def segment_name(job: str, node: int, rank: int, slot: int, generation: int) -> str:
+    return f"{segment_prefix(job, node)}r{rank}.s{slot}.g{generation}"
+
+
+_NAME = re.compile(r"\.r(\d+)\.s(\d+)\.g(\d+)$")
+
+
+def parse_segment_name(name: str) -> tuple[int, int, int] | None:
+    m = _NAME.search(name)
+    return tuple(int(x) for x in m.groups()) if m else None

@@ -1,0 +1,129 @@
+"""The byte layout of one snapshot slot in shared memory, and its integrity checks.
+
+    [0, 4 KiB)                 header: magic, state, step, offsets, manifest checksum, header checksum
+    [4 KiB, data_off)          manifest (JSON, written by the trainer at commit)
+    [data_off, data_off+len)   tensor bytes, each region 64-byte aligned
+
+A slot is self-describing so a restarted SMP can re-adopt it from /dev/shm alone. The chain header ->
+manifest -> region checksums means a torn or corrupted slot is always detected before it is loaded.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import SnapshotCorrupt
+from .checksum import checksum, to_hex
+
+MAGIC = b"INMEMFT1"
+VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 64
+PAGE = 4096
+
+BLANK, WRITING, COMMITTED = 0, 1, 2
+_FIELDS = struct.Struct("<8sIIqQQQQQ")  # magic version state step man_off man_len data_off data_len man_hash
+_HASH = struct.Struct("<Q")
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def data_offset(manifest_len: int) -> int:
+    return HEADER_SIZE + align(manifest_len, PAGE)
+
+
+def slot_size(manifest_len: int, data_len: int) -> int:
+    return data_offset(manifest_len) + align(data_len, PAGE)
+
+
+@dataclass
+class Header:
+    state: int
+    step: int
+    manifest_len: int
+    data_off: int
+    data_len: int
+    manifest_hash: int = 0
+
+    def pack(self) -> bytes:
+        body = _FIELDS.pack(MAGIC, VERSION, self.state, self.step, HEADER_SIZE, self.manifest_len,
+                            self.data_off, self.data_len, self.manifest_hash)
+        return body + _HASH.pack(checksum(body))
+
+    def write(self, buf) -> None:
+        raw = self.pack()
+        buf[: len(raw)] = raw
+
+    @classmethod
+    def read(cls, buf) -> "Header | None":
+        """The header, or None if the slot holds no valid header (blank, torn or foreign)."""
+        raw = bytes(buf[: _FIELDS.size + _HASH.size])
+        body, (stored,) = raw[: _FIELDS.size], _HASH.unpack(raw[_FIELDS.size:])
+        magic, version, state, step, _, man_len, data_off, data_len, man_hash = _FIELDS.unpack(body)
+        if magic != MAGIC or version != VERSION or checksum(body) != stored:
+            return None
+        return cls(state, step, man_len, data_off, data_len, man_hash)
+
+
+def manifest_view(buf, header: Header):
+    return buf[HEADER_SIZE: HEADER_SIZE + header.manifest_len]
+
+
+def data_view(buf, header: Header):
+    return buf[header.data_off: header.data_off + header.data_len]
+
+
+def encode_manifest(manifest: dict) -> bytes:
+    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+
+
+def read_committed(buf, where: str) -> tuple[Header, dict]:
+    """Header and manifest of a committed slot, after checking header and manifest checksums."""
+    header = Header.read(buf)
+    if header is None:
+        raise SnapshotCorrupt(f"{where}: header missing or failing its checksum (torn or overwritten slot)")
+    if header.state != COMMITTED:
+        raise SnapshotCorrupt(f"{where}: slot for step {header.step} was never committed (torn write)")
+    if header.data_off + header.data_len > len(buf):
+        raise SnapshotCorrupt(f"{where}: header points past the end of the segment")
+    raw = manifest_view(buf, header)
+    if checksum(raw) != header.manifest_hash:
+        raise SnapshotCorrupt(f"{where}: manifest of step {header.step} fails its checksum")
+    return header, json.loads(bytes(raw))
+
+
+def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:
+    """Check every tensor region's checksum; raise SnapshotCorrupt naming the first bad one."""
+    data = data_view(buf, header)
+    for i, leaf in enumerate(manifest["leaves"]):
+        if "o" in leaf and checksum(data[leaf["o"]: leaf["o"] + leaf["n"]]) != int(leaf["h"], 16):
+            raise SnapshotCorrupt(f"{where}: step {header.step} tensor #{i} ({leaf['dt']}{leaf['sh']}) "
+                                  f"fails its checksum: the bytes in memory were corrupted")
+    rep = manifest.get("replicated")
+    if rep and checksum(data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]) != int(rep["h"], 16):
+        raise SnapshotCorrupt(f"{where}: step {header.step} replicated share fails its checksum")
+
+
+def verify(buf, where: str) -> tuple[Header, dict]:
+    header, manifest = read_committed(buf, where)
+    verify_regions(buf, header, manifest, where)
+    return header, manifest
+
+
+def region_hashes(data, manifest: dict) -> None:
+    """Fill in the checksum of every region of `data` (the slot's data view) into the manifest."""
+    for leaf in manifest["leaves"]:
+        if "o" in leaf:
+            leaf["h"] = to_hex(checksum(data[leaf["o"]: leaf["o"] + leaf["n"]]))
+    rep = manifest.get("replicated")
+    if rep:
+        rep["h"] = to_hex(checksum(data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]))
+
+
+def as_uint8(buf, offset: int = 0, count: int = -1) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8, count=count, offset=offset)
