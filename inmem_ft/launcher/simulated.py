@@ -1,0 +1,150 @@
+"""Several "nodes" on one machine: each its own SMP process, segment namespace and socket.
+
+Losing a node here means what it means on a cluster: its trainer processes and its SMP die (SIGKILL)
+and its memory is gone (its segments are unlinked).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from ..smp import control, paths
+from ..smp.segments import names_with_prefix, unlink
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Attempt:
+    """One launch of every rank; `returncodes` maps rank -> exit code (negative: killed by that signal)."""
+
+    number: int
+    returncodes: dict[int, int]
+    first_failure: int | None  # the rank whose exit (or hang) brought the attempt down
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(rc == 0 for rc in self.returncodes.values())
+
+
+class SimulatedCluster:
+    def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
+                 env: dict | None = None):
+        self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
+        self.world_size = nodes * ranks_per_node
+        self.memory_budget, self.log_dir = memory_budget, log_dir
+        self.env = {**os.environ, **(env or {})}
+        self.smps: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.attempts = 0
+        os.makedirs(log_dir, exist_ok=True)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def socket_path(self, node: int) -> str:
+        return paths.default_socket(self.job, node)
+
+    # ---- SMPs ---------------------------------------------------------------------------------------------
+    def start_smp(self, node: int) -> None:
+        self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
+                                        os.path.join(self.log_dir, f"smp-node{node}.log"))
+
+    def start(self) -> "SimulatedCluster":
+        for node in range(self.nodes):
+            self.start_smp(node)
+        return self
+
+    def kill_smp(self, node: int) -> None:
+        proc = self.smps.pop(node, None)
+        if proc is not None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def wipe_node(self, node: int) -> None:
+        for name in names_with_prefix(paths.segment_prefix(self.job, node)):
+            unlink(name)
+
+    def lose_node(self, node: int) -> None:
+        for rank, proc in self.procs.items():
+            if self.node_of(rank) == node and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        self.kill_smp(node)
+        self.wipe_node(node)
+
+    def stop(self, wipe: bool = True) -> None:
+        self.kill_ranks()
+        for node in list(self.smps):
+            try:
+                control.stop(self.socket_path(node), wipe=wipe)
+                self.smps.pop(node).wait(timeout=10)
+            except Exception:
+                self.kill_smp(node)
+            if wipe:
+                self.wipe_node(node)
+
+    # ---- trainers ---------------------------------------------------------------------------------------
+    def launch(self, argv: list[str], extra_env: dict | None = None) -> None:
+        """Start every rank of one attempt running `python argv...` with the torchrun variables set."""
+        self.attempts += 1
+        port = free_port()
+        for rank in range(self.world_size):
+            node = self.node_of(rank)
+            env = {**self.env, **(extra_env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                   "LOCAL_RANK": str(rank % self.ranks_per_node), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+                   "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "INMEM_FT_JOB": self.job, "INMEM_FT_NODE": str(node),
+                   "INMEM_FT_SMP_SOCKET": self.socket_path(node), "INMEM_FT_RUNTIME_DIR": paths.runtime_dir(),
+                   "INMEM_FT_ATTEMPT": str(self.attempts)}
+            out = open(os.path.join(self.log_dir, f"attempt{self.attempts}-rank{rank}.log"), "w")
+            self.procs[rank] = subprocess.Popen([sys.executable, *argv], env=env, stdout=out,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            out.close()
+
+    def wait(self, timeout_s: float = 600.0) -> Attempt:
+        """Wait for the attempt; the first rank to fail brings down the others, as torchrun does."""
+        t0, first_failure = time.monotonic(), None
+        while any(p.poll() is None for p in self.procs.values()):
+            failed = [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
+            if failed or time.monotonic() - t0 > timeout_s:
+                first_failure = failed[0] if failed else None
+                self.kill_ranks()
+                break
+            time.sleep(0.05)
+        if first_failure is None:
+            first_failure = next((r for r, p in self.procs.items() if p.returncode != 0), None)
+        attempt = Attempt(self.attempts, {r: p.returncode for r, p in self.procs.items()}, first_failure,
+                          time.monotonic() - t0)
+        self.procs = {}
+        return attempt
+
+    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0) -> Attempt:
+        self.launch(argv, extra_env)
+        return self.wait(timeout_s)
+
+    def kill_ranks(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+
+    def rank_log(self, attempt: int, rank: int) -> str:
+        with open(os.path.join(self.log_dir, f"attempt{attempt}-rank{rank}.log"), errors="replace") as f:
+            return f.read()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
