@@ -1,0 +1,1 @@
+"""inmem_ft: in-memory, erasure-coded snapshots of training state."""
