@@ -5,6 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inmem_ft.ec import codec as codec_module
+from inmem_ft.ec import isal
 from inmem_ft.ec.codec import NotEnoughBlocks, RSCodec
 
 
@@ -98,3 +100,26 @@ def test_bad_buffers_are_explained():
         codec.decode({0: data[0], 1: data[1]}, [1])
     with pytest.raises(ValueError, match="outside"):
         codec.decode({0: data[0], 1: data[1]}, [3])
+
+
+def test_long_blocks_are_coded_in_slices(monkeypatch):
+    # Real 1 GiB slices are too slow for a unit test; a tiny odd slice exercises the same offsets.
+    rng = np.random.default_rng(7)
+    data = [rng.integers(0, 256, 10_001, dtype=np.uint8) for _ in range(3)]
+    whole = RSCodec(3, 2).encode(data)
+    monkeypatch.setattr(codec_module, "_SLICE", 999)
+    sliced_codec = RSCodec(3, 2)
+    sliced = sliced_codec.encode(data)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, sliced))
+    rebuilt = sliced_codec.decode({1: data[1], 3: whole[0], 4: whole[1]}, [0, 2])
+    assert np.array_equal(rebuilt[0], data[0]) and np.array_equal(rebuilt[2], data[2])
+
+
+def test_missing_isal_names_both_places_and_fixes(monkeypatch):
+    monkeypatch.setattr(isal, "_bundled_candidates", lambda: [])
+    monkeypatch.setattr(isal, "_SYSTEM_NAME", "libisal-that-is-not-there.so.2")
+    with pytest.raises(isal.IsalNotFound) as err:
+        isal.load()
+    msg = str(err.value)
+    assert "pyeclib.libs" in msg and "libisal.so.2" in msg
+    assert "pip install pyeclib==1.8.0" in msg and "apt-get install libisal2" in msg

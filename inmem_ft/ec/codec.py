@@ -184,7 +184,7 @@ class RSCodec:
             sub = np.ascontiguousarray(self._matrix[list(sources)])
             inverse = np.empty((self.k, self.k), dtype=np.uint8)
             if LIB.gf_invert_matrix(_ptr(sub), _ptr(inverse), self.k) != 0:
-                raise ArithmeticError(f"{self}: generator rows {sources} are singular (a bug: Cauchy rows never are)")
+                raise ArithmeticError(f"{self}: generator rows {sources} are singular (a bug: Cauchy's never are)")
         coeffs = np.ascontiguousarray(_gf_matmul(self._matrix[list(targets)], inverse))
         tables = np.empty(self.k * len(targets) * 32, dtype=np.uint8)
         LIB.ec_init_tables(self.k, len(targets), _ptr(coeffs), _ptr(tables))
