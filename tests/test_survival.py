@@ -35,7 +35,9 @@ def test_hand_computed_small_case():
     assert "leftover" in rep5.note
 
 
-@pytest.mark.parametrize("N, G, m", [(8, 4, 1), (64, 4, 2), (1024, 8, 2), (12, 6, 4), (10, 5, 3), (5, 5, 3), (14, 7, 4)])
+@pytest.mark.parametrize(
+    "N, G, m", [(8, 4, 1), (64, 4, 2), (1024, 8, 2), (12, 6, 4), (10, 5, 3), (5, 5, 3), (14, 7, 4)]
+)
 @pytest.mark.parametrize("interval_s", [1.0, 600.0, 86400.0 * 30])
 def test_probabilities_are_sane(N, G, m, interval_s):
     risks = survival(Inputs(N, G, m, 5000.0, interval_s, reprotect_s=30.0))
@@ -75,7 +77,8 @@ def test_cli_prints_a_table(capsys):
     assert run_survival(args) == 0
     out = capsys.readouterr().out
     assert "EC RS(k=2,m=2), 4 group(s) of 4" in out and "replication x1" in out and "no protection" in out
-    assert out == format_report(Inputs(16, 4, 2, 20000.0, 600.0, 5.0), survival(Inputs(16, 4, 2, 20000.0, 600.0, 5.0))) + "\n"
+    inp = Inputs(16, 4, 2, 20000.0, 600.0, 5.0)
+    assert out == format_report(inp, survival(inp)) + "\n"
     args = parser.parse_args("-N 10 -G 4 -m 2 --mtbf-hours 20000 --interval-s 600".split())
     assert run_survival(args) == 2
     assert "multiple of G" in capsys.readouterr().err

@@ -51,7 +51,9 @@ def validate(inp):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if inp.group_size < 2:
-        raise ValueError(f"group size G must be >= 2 (a group protects its nodes against each other), got {inp.group_size}")
+        raise ValueError(
+            f"group size G must be >= 2 (a group protects its nodes against each other), got {inp.group_size}"
+        )
     if inp.parity >= inp.group_size:
         raise ValueError(
             f"parity m must be smaller than the group size G (m={inp.parity}, G={inp.group_size}): "
@@ -186,7 +188,10 @@ def add_survival_arguments(parser):
     parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node")
     parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots")
     parser.add_argument(
-        "--reprotect-s", type=float, default=0.0, help="seconds to encode and spread a new snapshot's parity (default 0)"
+        "--reprotect-s",
+        type=float,
+        default=0.0,
+        help="seconds to encode and spread a new snapshot's parity (default 0)",
     )
     return parser
 
