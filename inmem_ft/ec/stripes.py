@@ -28,7 +28,7 @@ from inmem_ft.ec.codec import NotEnoughBlocks, RSCodec, as_u8
 
 DATA = "data"
 PARITY = "parity"
-_ALIGN = 64  # bytes: chunk boundaries on cache lines, which ISA-L's SIMD loops run fastest on
+_ALIGN = 64  # bytes: every chunk starts on a cache line, so SIMD loads stay aligned and chunks share no line
 
 
 class TooManyLost(NotEnoughBlocks):
