@@ -94,11 +94,13 @@ class _Flattener:
         self._seen: dict[int, int] = {}  # id(tensor) -> leaf index: tied weights are stored once
         self._replicated = False
 
-    def leaf(self, value, fragment=None) -> dict:
-        idx = self._seen.get(id(value))
+    def leaf(self, value, fragment=None, key=None) -> dict:
+        # Keyed by the caller's object, which the state keeps alive, so ids cannot be recycled meanwhile.
+        key = id(value) if key is None else key
+        idx = self._seen.get(key)
         if idx is None:
             idx = len(self.leaves)
-            self._seen[id(value)] = idx
+            self._seen[key] = idx
             self.leaves.append(Leaf(value, self._replicated, fragment))
         return {"A" if isinstance(value, np.ndarray) else "T": idx}
 
@@ -146,7 +148,7 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str, fragment=None) -> dict:
         if t.layout != torch.strided or t.is_quantized:
             raise UnsafeType(f"{path}: {t.layout} tensors are not supported; convert to a dense tensor first")
-        return self.leaf(t.detach(), fragment)
+        return self.leaf(t.detach(), fragment, key=id(t))
 
     def mapping(self, obj: dict, path: str) -> dict:
         ordered = type(obj) is OrderedDict

@@ -1,0 +1,38 @@
+"""Shared fixtures: every test gets its own runtime dir (sockets, logs) and job id, so SMPs and
+segments of different tests never meet, and nothing is left in /dev/shm afterwards."""
+import os
+import uuid
+
+import pytest
+
+from inmem_ft.smp import paths
+from inmem_ft.smp.segments import names_with_prefix, unlink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    monkeypatch.setenv("INMEM_FT_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return tmp_path
+
+
+@pytest.fixture
+def job(runtime):
+    name = f"t{uuid.uuid4().hex[:10]}"
+    yield name
+    for seg in names_with_prefix(f"inmemft.{name}."):
+        unlink(seg)
+
+
+def read_losses(path) -> dict[int, float]:
+    import json
+
+    out = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                out[rec["step"]] = rec["loss"]
+    return out

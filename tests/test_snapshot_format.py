@@ -1,0 +1,135 @@
+"""The snapshot format: any training state round-trips exactly through manifest + raw bytes, no pickle."""
+import json
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from inmem_ft import Fragment, Replicated, Sharded, UnsafeType, capture_rng_state, register_safe_class
+from inmem_ft.snapshot import flatten, fragments, plan, unpack
+from inmem_ft.snapshot import segment as seg
+
+
+def roundtrip(state, dp_rank=0, dp_size=1):
+    p = plan(flatten(state), step=3, rank=0, world_size=1, dp_rank=dp_rank, dp_size=dp_size)
+    flat = flatten(state)
+    data = torch.zeros(p.data_len, dtype=torch.uint8)
+    from inmem_ft.capture.copier import Copier
+
+    Copier(None).copy(flat.leaves, p.copies, data)
+    seg.region_hashes(data.numpy(), p.manifest)
+    manifest = json.loads(seg.encode_manifest(p.manifest))  # through JSON, as in shared memory
+    replicated = None
+    if manifest["replicated"]:
+        rep = manifest["replicated"]
+        replicated = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+    return unpack(manifest, data, replicated), manifest
+
+
+def assert_same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+def test_training_state_roundtrips_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    random.seed(5)
+    state = {
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": capture_rng_state(),
+        "scalars": [1, -2**70, 0.1, float("inf"), float("nan"), True, None, "s", b"\x00\xff"],
+        "tuple": (1, (2, 3)), "np": np.arange(6, dtype=np.int16).reshape(2, 3), "npf": np.float32(1.5),
+        "bf16": torch.randn(5, 7).to(torch.bfloat16), "noncontig": torch.randn(4, 6).t(),
+        "scalar_t": torch.tensor(3.0), "empty": torch.empty(0, 5), "bool": torch.tensor([True, False]),
+        "size": torch.Size([2, 3]), "dtype": torch.float16, "int_keys": {0: "a", 1: {"x": 2}},
+    }
+    back, _ = roundtrip(state)
+    expected = dict(state, noncontig=state["noncontig"].contiguous())
+    assert_same(back, expected)
+    assert back["model"]._metadata == state["model"]._metadata  # load_state_dict's version info survives
+    torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).load_state_dict(back["model"])
+
+
+def test_tied_tensors_are_stored_once():
+    w = torch.randn(100)
+    flat = flatten({"a": w, "b": w})
+    assert len(flat.leaves) == 1
+
+
+def test_fragment_metadata_is_recorded():
+    shard = torch.arange(6.0).view(2, 3)
+    frag = Fragment(global_shape=(4, 3), global_offset=(2, 0), partition_dim=0, replica_id=1)
+    back, manifest = roundtrip({"w": Sharded(shard, frag)})
+    assert torch.equal(back["w"], shard)
+    assert fragments(manifest) == {0: frag}
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_replicated_subtree_is_split_evenly(dp_size):
+    state = {"own": torch.randn(10), "rep": Replicated({"w": torch.randn(33), "b": torch.randn(7).double()})}
+    shares = []
+    for r in range(dp_size):
+        p = plan(flatten(state), step=1, rank=r, world_size=dp_size, dp_rank=r, dp_size=dp_size)
+        rep = p.manifest["replicated"]
+        shares.append(rep["hi"] - rep["lo"])
+    assert sum(shares) == p.manifest["replicated"]["total"]
+    assert max(shares) - min(shares) <= 64
+
+
+class Plain:
+    def __init__(self):
+        self.scale, self.history = 2.0, [1, 2]
+
+
+def test_unregistered_objects_are_refused_and_registered_ones_roundtrip():
+    with pytest.raises(UnsafeType, match="register_safe_class"):
+        flatten({"x": Plain()})
+    register_safe_class(Plain)
+    back, _ = roundtrip({"x": Plain()})
+    assert vars(back["x"]) == {"scale": 2.0, "history": [1, 2]}
+
+
+def test_corruption_is_detected_at_every_level():
+    state = {"w": torch.randn(1000)}
+    p = plan(flatten(state), step=7, rank=0, world_size=1)
+    raw = seg.encode_manifest(p.manifest)
+    buf = bytearray(seg.slot_size(len(raw), p.data_len))
+    header = seg.Header(seg.WRITING, 7, len(raw), seg.data_offset(len(raw)), p.data_len)
+    header.write(buf)
+    data = torch.frombuffer(buf, dtype=torch.uint8)[header.data_off: header.data_off + p.data_len]
+    from inmem_ft.capture.copier import Copier
+
+    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    seg.region_hashes(memoryview(buf)[header.data_off:], p.manifest)
+    raw = seg.encode_manifest(p.manifest)
+    buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+    with pytest.raises(seg.SnapshotCorrupt, match="never committed"):
+        seg.verify(memoryview(buf), "slot")
+    header.state, header.manifest_hash = seg.COMMITTED, seg.checksum(raw)
+    header.write(buf)
+    seg.verify(memoryview(buf), "slot")
+    for offset, what in [(header.data_off + 17, "fails its checksum"), (seg.HEADER_SIZE + 3, "manifest"),
+                         (10, "header")]:
+        bad = bytearray(buf)
+        bad[offset] ^= 0x01
+        with pytest.raises(seg.SnapshotCorrupt, match=what):
+            seg.verify(memoryview(bad), "slot")
