@@ -8,6 +8,7 @@ survives a crash at any instant.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SnapshotConfig
-from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt
+from ..errors import BudgetExceeded, InmemFTError, LayoutMismatch, SnapshotCorrupt
 from ..smp.client import SMPClient
 from ..smp.segments import Segment
 from ..snapshot import layout, segment as seg
@@ -107,6 +108,10 @@ class Snapshotter:
             target = self._attach(reply["segment"])
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
             work = self._copier.copy(flat.leaves, plan.copies, data)
+        except BudgetExceeded:
+            if not self._reserved:
+                raise  # the first snapshot reserves the slots: a budget that cannot fit is a setup error
+            error = sys.exc_info()[1]
         except InmemFTError as e:
             error = e
         stall = time.perf_counter() - t0

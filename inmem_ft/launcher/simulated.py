@@ -43,7 +43,8 @@ class SimulatedCluster:
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
         self.memory_budget, self.log_dir = memory_budget, log_dir
-        self.env = {**os.environ, **(env or {})}
+        # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
+        self.env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
         self.smps: dict[int, subprocess.Popen] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0

@@ -39,7 +39,8 @@ class SMPClient:
             except (OSError, protocol.ProtocolError) as e:
                 self._close_locked()
                 raise SMPUnavailable(f"the SMP on {self.socket_path} stopped answering during '{op}' ({e}); "
-                                     f"it may have died: check its log and `inmem-ft smp status`") from None
+                                     f"it may have died: check its log, then `inmem-ft smp start` it again "
+                                     f"(a restarted SMP re-adopts the snapshots still in /dev/shm)") from None
         if not reply.pop("ok", False):
             raise _ERRORS.get(reply.get("code"), InmemFTError)(reply.get("error", "SMP refused the request"))
         return reply

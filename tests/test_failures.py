@@ -1,0 +1,127 @@
+"""Bad input and broken parts get a clear error and lose nothing (issue 2, item 6), with real SMPs."""
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from inmem_ft import (BudgetExceeded, ConfigError, LayoutMismatch, SMPUnavailable, SnapshotConfig, Snapshotter)
+from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp import control, paths
+from inmem_ft.smp.segments import names_with_prefix, path_of
+
+
+@pytest.fixture
+def smp(job):
+    proc = control.start(job, 0, 64 << 20)
+    yield paths.default_socket(job, 0), proc
+    if proc.poll() is None:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+def state(seed=0, n=1000):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, generator=g), "step": seed}
+
+
+def test_no_smp_running_is_a_clear_error(job):
+    with pytest.raises(SMPUnavailable, match="inmem-ft smp start"):
+        Snapshotter(SnapshotConfig(job=job))
+
+
+def test_smp_death_mid_training_warns_or_raises(job, smp, caplog):
+    socket_path, proc = smp
+    lenient = Snapshotter(SnapshotConfig(job=job, interval=1))
+    strict = Snapshotter(SnapshotConfig(job=job, interval=1, on_error="raise"))
+    lenient.save(1, state(1))
+    lenient.wait()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    lenient.save(2, state(2))  # on_error="warn": training goes on
+    lenient.wait()
+    assert lenient.metrics.failures == 1 and "stopped answering" in caplog.text
+    strict.save(3, state(3))
+    with pytest.raises(SMPUnavailable, match="inmem-ft smp start"):
+        strict.wait()
+
+
+TORN_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    from inmem_ft.smp.client import SMPClient
+    from inmem_ft.smp.segments import Segment
+    client = SMPClient(sys.argv[1])
+    reply = client.call("begin", rank=0, step=2, manifest_len=100, data_len=1 << 20, keep_step=1)
+    Segment(reply["segment"]).buf[reply["data_off"]: reply["data_off"] + 4096] = b"x" * 4096
+    print("writing", flush=True)
+    if sys.argv[2] == "trainer":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.parametrize("who_dies", ["trainer", "smp"])
+def test_torn_write_is_discarded_and_older_snapshot_served(job, smp, who_dies, runtime):
+    socket_path, proc = smp
+    snap = Snapshotter(SnapshotConfig(job=job, interval=1))
+    snap.save(1, state(1))
+    snap.close()
+    writer = subprocess.Popen([sys.executable, "-c", TORN_WRITER, socket_path, who_dies], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    if who_dies == "smp":
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        writer.kill()
+        control.start(job, 0, 64 << 20)
+    writer.wait()
+    log = open(paths.default_log(job, 0)).read()
+    assert ("event=torn" if who_dies == "trainer" else "never committed") in log
+    restored = Snapshotter(SnapshotConfig(job=job)).restore()
+    assert restored["step"] == 1 and torch.equal(restored["w"], state(1)["w"])
+
+
+def test_wrong_world_size_is_refused_and_keeps_the_snapshot(job, runtime):
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-m", "inmem_ft.examples.plain_pytorch", "--steps", "5", "--interval", "5"])
+        assert attempt.ok
+        snap = Snapshotter(SnapshotConfig(job=job))  # a job of world size 1 now
+        with pytest.raises(LayoutMismatch, match="world size 2"):
+            snap.restore()
+        assert control.call(cluster.socket_path(0), "list", rank=0)["slots"][0]["step"] == 5
+
+
+def test_budget_too_small_fails_at_first_snapshot(job):
+    control.start(job, 0, 1 << 20)
+    try:
+        snap = Snapshotter(SnapshotConfig(job=job))
+        with pytest.raises(BudgetExceeded, match="--memory-budget"):
+            snap.save(1, state(1, n=1 << 18))
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+def test_budget_larger_than_shm_is_refused_at_start(job):
+    with pytest.raises(SMPUnavailable, match="exceeds"):
+        control.start(job, 0, 1 << 50)
+
+
+def test_socket_and_segments_are_owner_only(job, smp):
+    socket_path, _ = smp
+    Snapshotter(SnapshotConfig(job=job)).save(1, state(1))
+    assert stat.S_IMODE(os.stat(os.path.dirname(socket_path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+    segments = names_with_prefix(paths.segment_prefix(job, 0))
+    assert segments and all(stat.S_IMODE(os.stat(path_of(n)).st_mode) == 0o600 for n in segments)
+
+
+@pytest.mark.parametrize("values, key", [({"interval": 0}, "interval"), ({"job": "a b"}, "job"),
+                                         ({"on_error": "ignore"}, "on_error"),
+                                         ({"staging_budget": "lots"}, "staging_budget"),
+                                         ({"intervl": 5}, "unknown key")])
+def test_bad_config_values_name_the_key(values, key):
+    with pytest.raises(ConfigError, match=key):
+        SnapshotConfig.from_dict(values)
