@@ -1,0 +1,94 @@
+"""The `inmem-ft` command: run and inspect a node's SMP, and size the protection of a job."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import units
+from .cluster import survival
+from .errors import InmemFTError
+from .smp import control, paths
+
+
+def _node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"), help="job id (default: %(default)s)")
+    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
+                   help="this node's index (default: %(default)s)")
+    p.add_argument("--socket", default=os.environ.get("INMEM_FT_SMP_SOCKET"),
+                   help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
+
+
+def _socket(args) -> str:
+    return args.socket or paths.default_socket(args.job, args.node)
+
+
+def cmd_smp_start(args) -> int:
+    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log)
+    print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}")
+    return 0
+
+
+def cmd_smp_stop(args) -> int:
+    control.stop(_socket(args), wipe=args.wipe)
+    print(f"inmem-ft: SMP on {_socket(args)} stopped{' and its snapshots wiped' if args.wipe else ''}")
+    return 0
+
+
+def format_status(status: dict) -> str:
+    lines = [f"job {status['job']}  node {status['node']}  pid {status['pid']}  up {status['uptime_s']} s",
+             f"memory  {units.human(status['used'])} used of {units.human(status['budget'])} budget",
+             f"newest step complete on every rank: {status['complete_step']}",
+             f"{'rank':>6} {'slot':>4} {'state':<10} {'step':>8} {'bytes':>12}"]
+    for rank in status["ranks"]:
+        for slot in rank["slots"]:
+            lines.append(f"{rank['rank']:>6} {slot['slot']:>4} {slot['state']:<10} "
+                         f"{'' if slot['step'] is None else slot['step']:>8} {units.human(slot['bytes']):>12}")
+    return "\n".join(lines)
+
+
+def cmd_smp_status(args) -> int:
+    status = control.call(_socket(args), "status")
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="inmem-ft", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    smp = sub.add_parser("smp", help="the node's snapshot management process").add_subparsers(
+        dest="smp_command", required=True)
+    start = smp.add_parser("start", help="start the node's SMP in the background")
+    _node_args(start)
+    start.add_argument("--memory-budget", required=True, type=units.parse_size,
+                       help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB")
+    start.add_argument("--log", default=None, help="log file (default: beside the socket)")
+    start.set_defaults(fn=cmd_smp_start)
+    stop = smp.add_parser("stop", help="stop the node's SMP")
+    _node_args(stop)
+    stop.add_argument("--wipe", action="store_true", help="also delete its snapshots from memory")
+    stop.set_defaults(fn=cmd_smp_stop)
+    status = smp.add_parser("status", help="show the SMP's slots, steps and memory")
+    _node_args(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(fn=cmd_smp_status)
+
+    surv = sub.add_parser("survival", help="probability that an in-memory snapshot is lost, EC vs replication")
+    survival.add_survival_arguments(surv)
+    surv.set_defaults(fn=survival.run_survival)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (InmemFTError, PermissionError) as e:
+        print(f"inmem-ft: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
