@@ -7,7 +7,8 @@ method is timed on the same state in the same run:
   inmem_blocking_s         Snapshotter.save() with the state marked Replicated (each rank saves half)
   inmem_blocking_full_s    Snapshotter.save() of the whole state on every rank (no split)
   torch_save_s             torch.save of the whole state to local disk (page cache, no fsync)
-  clone_floor_s            Tensor.clone() of every tensor: the cost of any copy out of the training buffers
+  clone_floor_s            one plain copy of every tensor to host memory: the floor for any snapshot
+On a GPU, inmem_gpu_stall_s adds the wait until the training stream may run again (the device copy).
 Medians over the repeats; the reported figure of each method is the slowest rank's.
 """
 from __future__ import annotations
@@ -26,23 +27,30 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_state(hidden: int, layers: int):
+def build_state(hidden: int, layers: int, device: torch.device):
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden))
               for _ in range(layers)]
-    model = torch.nn.Sequential(*blocks)
+    model = torch.nn.Sequential(*blocks).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    model(torch.randn(2, hidden)).sum().backward()
+    model(torch.randn(2, hidden, device=device)).sum().backward()
     opt.step()  # materialize Adam's exp_avg / exp_avg_sq
     params = sum(p.numel() for p in model.parameters())
     return model, opt, params
 
 
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -58,7 +66,10 @@ def worker(args) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model, opt, params = build_state(args.hidden, args.layers)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    model, opt, params = build_state(args.hidden, args.layers, device)
 
     def state():
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}
@@ -66,9 +77,11 @@ def worker(args) -> None:
     tensors = [t for t in model.state_dict().values()] + [
         v for s in opt.state_dict()["state"].values() for v in s.values() if isinstance(v, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    results = {"params": params, "state_bytes_per_rank": nbytes, "ranks": dist.get_world_size()}
+    results = {"params": params, "state_bytes_per_rank": nbytes, "ranks": dist.get_world_size(),
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
-    results["clone_floor_s"] = slowest(timed(lambda: [t.clone() for t in tensors], args.repeats))
+    # The floor: one plain copy of every tensor out of the training buffers (device to host on a GPU).
+    results["clone_floor_s"] = slowest(timed(lambda: [t.to("cpu", copy=True) for t in tensors], args.repeats))
 
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
         path = os.path.join(d, f"rank{rank}.pt")
@@ -80,13 +93,19 @@ def worker(args) -> None:
         snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1), dp_group=group)
         snap.save(0, make())  # first save reserves and faults in the slots, as at job start
         snap.wait()
-        stalls, commits = [], []
+        stalls, commits, device_stalls = [], [], []
         for step in range(1, args.repeats + 1):
+            sync()
+            t0 = time.perf_counter()
             snap.save(step, make())
             stalls.append(snap.metrics.last_stall_s)
+            sync()  # on a GPU the training stream waits for the copy out of device memory
+            device_stalls.append(time.perf_counter() - t0)
             snap.wait()
             commits.append(snap.metrics.last_commit_s)
         results[key] = slowest(statistics.median(stalls))
+        if device.type == "cuda":
+            results[key.replace("blocking", "gpu_stall")] = slowest(statistics.median(device_stalls))
         results[key.replace("blocking", "commit")] = slowest(statistics.median(commits))
         snap.close()
 
@@ -124,6 +143,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=6, help="6 x (2048x4096 + 4096x2048) = 100.7M parameters")
     p.add_argument("--disk-dir", default=None, help="where torch.save writes (default: the temp dir)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both ranks share GPU 0)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
@@ -143,7 +163,8 @@ def main() -> int:
         with SimulatedCluster(1, 2, "stallbench", budget, os.path.join(tmp, "logs"),
                               env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}) as cluster:
             attempt = cluster.run([os.path.abspath(__file__), "--worker", "--result", result, "--repeats",
-                                   str(repeats), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+                                   str(repeats), "--hidden", str(args.hidden), "--layers", str(args.layers),
+                                   "--device", args.device]
                                   + (["--disk-dir", args.disk_dir] if args.disk_dir else []), timeout_s=1800)
             if not attempt.ok:
                 print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-3000:], file=sys.stderr)
@@ -152,10 +173,11 @@ def main() -> int:
             results = json.load(f)
     results["quick"] = args.quick
     print(f"{results['params'] / 1e6:.1f}M params + Adam, {results['state_bytes_per_rank'] / 2**30:.2f} GiB of "
-          f"state per rank, {results['ranks']} ranks, medians of {repeats}")
-    for key in ["inmem_blocking_s", "inmem_blocking_full_s", "clone_floor_s", "torch_save_s",
-                "inmem_commit_s", "inmem_commit_full_s"]:
-        print(f"  {key:<24} {results[key]:8.4f} s")
+          f"state per rank, {results['ranks']} ranks on {results['device']}, medians of {repeats}")
+    for key in ["inmem_blocking_s", "inmem_blocking_full_s", "inmem_gpu_stall_s", "inmem_gpu_stall_full_s",
+                "clone_floor_s", "torch_save_s", "inmem_commit_s", "inmem_commit_full_s"]:
+        if key in results:
+            print(f"  {key:<24} {results[key]:8.4f} s")
     for key in ["ratio_vs_torch_save", "ratio_vs_floor", "ratio_full_vs_floor"]:
         print(f"  {key:<24} {results[key]:8.3f}")
     if args.json:
