@@ -3,7 +3,7 @@ Runs only where there is a GPU (CI has none; the device machine runs it)."""
 import pytest
 import torch
 
-from inmem_ft import SnapshotConfig, Snapshotter, capture_rng_state
+from inmem_ft import BudgetExceeded, SnapshotConfig, Snapshotter, capture_rng_state
 from inmem_ft.smp import control, paths
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -32,12 +32,7 @@ def test_cuda_state_roundtrips_and_later_kernels_cannot_leak_in(snap):
     assert torch.equal(back["host"], torch.arange(5)) and "cuda" in back["rng"]
 
 
-def test_save_returns_before_the_device_copy_finishes(snap):
-    w = torch.randn(256 << 20, device="cuda")  # 1 GiB
-    snap.save(1, {"w": w})
-    snap.wait()
-    torch.cuda.synchronize()
-    snap.save(2, {"w": w})
-    blocking = snap.metrics.last_stall_s
-    snap.wait()
-    assert snap.metrics.snapshots == 2 and blocking < snap.metrics.last_commit_s + blocking
+def test_staging_budget_too_small_fails_at_first_snapshot(job, snap):
+    tight = Snapshotter(SnapshotConfig(job=job, staging_budget="1MiB"))
+    with pytest.raises(BudgetExceeded, match="staging_budget"):
+        tight.save(1, {"w": torch.randn(1 << 20, device="cuda")})

@@ -104,10 +104,10 @@ class Snapshotter:
         try:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
-            self._reserved = True
             target = self._attach(reply["segment"])
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
             work = self._copier.copy(flat.leaves, plan.copies, data)
+            self._reserved = True
         except BudgetExceeded:
             if not self._reserved:
                 raise  # the first snapshot reserves the slots: a budget that cannot fit is a setup error
