@@ -1,11 +1,12 @@
 """inmem_ft: in-memory, erasure-coded snapshots of training state that survive trainer and node failures."""
-from .capture import Snapshotter, capture_rng_state, restore_rng_state
-from .config import SnapshotConfig
+from ._lazy import exporter
 from .errors import (BudgetExceeded, ConfigError, InmemFTError, LayoutMismatch, SMPUnavailable,
                      SnapshotCorrupt, UnsafeType)
-from .snapshot import Fragment, Replicated, Sharded, register_safe_class
 
 __version__ = "0.1.0"
-__all__ = ["Snapshotter", "SnapshotConfig", "capture_rng_state", "restore_rng_state", "Fragment", "Replicated",
-           "Sharded", "register_safe_class", "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded",
-           "SnapshotCorrupt", "LayoutMismatch", "UnsafeType"]
+_EXPORTS = {"Snapshotter": ".capture", "capture_rng_state": ".capture", "restore_rng_state": ".capture",
+            "SnapshotConfig": ".config", "Fragment": ".snapshot", "Replicated": ".snapshot",
+            "Sharded": ".snapshot", "register_safe_class": ".snapshot", "report_loss": ".telemetry"}
+__getattr__ = exporter(__name__, _EXPORTS)
+__all__ = [*_EXPORTS, "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded", "SnapshotCorrupt",
+           "LayoutMismatch", "UnsafeType"]

@@ -54,6 +54,34 @@ def cmd_smp_status(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from .launcher import scenario
+    from .launcher.supervisor import Failure
+
+    argv = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not argv:
+        print("inmem-ft launch: give the training command after --, e.g. -- train.py --steps 100", file=sys.stderr)
+        return 2
+    try:
+        failures = ([Failure.parse("rank", s) for s in args.kill_rank] +
+                    [Failure.parse("node", s) for s in args.kill_node] + [Failure.parse("hang", s) for s in args.hang_rank])
+    except ValueError as e:
+        print(f"inmem-ft launch: {e}", file=sys.stderr)
+        return 2
+    work_dir = os.path.abspath(args.work_dir)
+    os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(work_dir, "run"))
+    timeline = scenario.run(args.nodes, args.ranks_per_node, args.job, args.memory_budget, argv, failures,
+                            work_dir, compare=not args.no_compare, heartbeat_timeout_s=args.heartbeat_timeout,
+                            max_restarts=args.max_restarts)
+    print(timeline.format())
+    print(scenario.verdict(timeline))
+    scenario.write_json(timeline, os.path.join(work_dir, "timeline.json"))
+    if args.plot:
+        scenario.plot(timeline, args.plot, f"{args.nodes} nodes x {args.ranks_per_node} ranks")
+        print(f"plot: {args.plot}")
+    return 0 if timeline.ok and timeline.matches_reference is not False else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inmem-ft", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,6 +102,26 @@ def build_parser() -> argparse.ArgumentParser:
     _node_args(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_smp_status)
+
+    launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "
+                                           "recover, and print the timeline")
+    launch.add_argument("--nodes", type=int, default=2)
+    launch.add_argument("--ranks-per-node", type=int, default=2)
+    launch.add_argument("--job", default="launch")
+    launch.add_argument("--memory-budget", type=units.parse_size, default="2GiB", help="per node")
+    launch.add_argument("--kill-rank", action="append", default=[], metavar="STEP:RANK",
+                        help="kill -9 RANK once it reaches STEP (repeatable)")
+    launch.add_argument("--kill-node", action="append", default=[], metavar="STEP:NODE",
+                        help="lose NODE (its ranks, its SMP and its memory) once it reaches STEP")
+    launch.add_argument("--hang-rank", action="append", default=[], metavar="STEP:RANK",
+                        help="freeze RANK (SIGSTOP) at STEP; the heartbeat timeout must catch it")
+    launch.add_argument("--heartbeat-timeout", type=float, default=60.0, help="seconds without a heartbeat")
+    launch.add_argument("--max-restarts", type=int, default=5)
+    launch.add_argument("--no-compare", action="store_true", help="skip the uninterrupted reference run")
+    launch.add_argument("--work-dir", default="inmem_ft_launch", help="logs, loss log, timeline.json")
+    launch.add_argument("--plot", default=None, help="PNG of loss vs step with the failures marked")
+    launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train.py [args...]")
+    launch.set_defaults(fn=cmd_launch)
 
     surv = sub.add_parser("survival", help="probability that an in-memory snapshot is lost, EC vs replication")
     survival.add_survival_arguments(surv)

@@ -24,15 +24,3 @@ def job(runtime):
     yield name
     for seg in names_with_prefix(f"inmemft.{name}."):
         unlink(seg)
-
-
-def read_losses(path) -> dict[int, float]:
-    import json
-
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                out[rec["step"]] = rec["loss"]
-    return out

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from conftest import read_losses
 from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.telemetry import read_losses
 from inmem_ft.smp import control
 from inmem_ft.snapshot import segment as seg
 from inmem_ft.smp.segments import path_of

@@ -22,6 +22,7 @@ from ..smp.client import SMPClient
 from ..smp.segments import Segment
 from ..snapshot import layout, segment as seg
 from ..snapshot.tree import flatten
+from ..telemetry import Heartbeat
 from .agreement import Agreement, all_gather_bytes
 from .copier import Copier
 
@@ -81,13 +82,19 @@ class Snapshotter:
         self._reserved = False
         self.metrics = Metrics()
         self.last_restore: RestoreInfo | None = None
+        self._heartbeat = Heartbeat.from_env(self.rank)
 
     # ---- saving -----------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return step % self.config.interval == 0
 
     def maybe_save(self, step: int, state_fn) -> bool:
-        """Save `state_fn()` if `step` is a snapshot step; the state is only built when needed."""
+        """Save `state_fn()` if `step` is a snapshot step; the state is only built when needed.
+
+        Call it every step: it is also the rank's heartbeat for supervisors that watch for hangs.
+        """
+        if self._heartbeat:
+            self._heartbeat.beat(step=step)
         if not self.due(step):
             return False
         self.save(step, state_fn())
@@ -119,6 +126,8 @@ class Snapshotter:
         m.last_stall_s, m.last_bytes = stall, plan.data_len
         m.total_stall_s += stall
         m.stalls_s.append(stall)
+        if self._heartbeat:
+            self._heartbeat.beat(step=step, snapshot_step=step, stall_s=stall, bytes=plan.data_len)
         # Submitted even after an error: every rank must take part in the step's agreement.
         self._pending = self._pool.submit(self._finish, step, plan, target, reply if target else None, work,
                                           error)
@@ -193,6 +202,8 @@ class Snapshotter:
                             "rank; starting from scratch", self.rank, [row[:2] for row in everyone])
             self._smp.call("restored", rank=self.rank, step=None)
             self._complete = None
+            if self._heartbeat:
+                self._heartbeat.beat(step=0, restored=None)
             return None
         step = max(common)
         attached, manifest = next((a, m) for s, a, m in local if s == step)
@@ -205,6 +216,8 @@ class Snapshotter:
         self.last_restore = RestoreInfo(step, "memory", time.perf_counter() - t0, header.data_len)
         log.info("restore rank=%d step=%d source=memory seconds=%.3f bytes=%d", self.rank, step,
                  self.last_restore.seconds, header.data_len)
+        if self._heartbeat:
+            self._heartbeat.beat(step=step, restored=vars(self.last_restore))
         return state
 
     def _verified_local_slots(self):
@@ -237,6 +250,8 @@ class Snapshotter:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._heartbeat:
+            self._heartbeat.beat(done=True)  # what follows (last commit, teardown) is no hang
         try:
             self.wait()
         finally:

@@ -5,7 +5,6 @@ snapshots its state into the node's SMP; after a crash the restarted ranks resum
 loss trajectory is bit-identical to a run that never failed.
 """
 import argparse
-import json
 import os
 import signal
 
@@ -26,7 +25,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss), written by rank 0")
+    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
     p.add_argument("--die-rank", type=int, default=0)
     args = p.parse_args()
@@ -49,7 +48,6 @@ def main() -> None:
         sched.load_state_dict(state["scheduler"])
         inmem_ft.restore_rng_state(state["rng"])
         start = state["step"]
-    log = open(args.loss_log, "a") if args.loss_log and rank == 0 else None
 
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, rank)
@@ -62,9 +60,7 @@ def main() -> None:
         opt.step()
         sched.step()
         dist.all_reduce(loss)
-        if log:
-            log.write(json.dumps({"step": step, "loss": loss.item() / world}) + "\n")
-            log.flush()
+        inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
         snap.maybe_save(step, lambda: {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "scheduler": sched.state_dict(), "rng": inmem_ft.capture_rng_state(),
                                        "step": step})

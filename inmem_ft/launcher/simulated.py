@@ -112,22 +112,29 @@ class SimulatedCluster:
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             out.close()
 
-    def wait(self, timeout_s: float = 600.0) -> Attempt:
-        """Wait for the attempt; the first rank to fail brings down the others, as torchrun does."""
-        t0, first_failure = time.monotonic(), None
-        while any(p.poll() is None for p in self.procs.values()):
-            failed = [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
-            if failed or time.monotonic() - t0 > timeout_s:
-                first_failure = failed[0] if failed else None
-                self.kill_ranks()
-                break
-            time.sleep(0.05)
+    def failed_ranks(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs.values())
+
+    def end_attempt(self, t0: float, first_failure: int | None = None) -> Attempt:
+        """Stop what is left of the attempt (as torchrun does when a worker fails) and report it."""
+        self.kill_ranks()
         if first_failure is None:
             first_failure = next((r for r, p in self.procs.items() if p.returncode != 0), None)
         attempt = Attempt(self.attempts, {r: p.returncode for r, p in self.procs.items()}, first_failure,
                           time.monotonic() - t0)
         self.procs = {}
         return attempt
+
+    def wait(self, timeout_s: float = 600.0) -> Attempt:
+        """Wait for the attempt; the first rank to fail brings down the others."""
+        t0 = time.monotonic()
+        while self.running() and not self.failed_ranks() and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.05)
+        failed = self.failed_ranks()
+        return self.end_attempt(t0, failed[0] if failed else None)
 
     def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0) -> Attempt:
         self.launch(argv, extra_env)

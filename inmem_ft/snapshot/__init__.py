@@ -1,7 +1,8 @@
 """Training state <-> manifest + raw tensor regions (no pickle anywhere), and the slot byte layout."""
-from .layout import fragments, plan, unpack
-from .safe_types import register_safe_class
-from .tree import Fragment, Replicated, Sharded, flatten, unflatten
+from .._lazy import exporter
 
-__all__ = ["Fragment", "Replicated", "Sharded", "flatten", "unflatten", "plan", "unpack", "fragments",
-           "register_safe_class"]
+_EXPORTS = {"Fragment": ".tree", "Replicated": ".tree", "Sharded": ".tree", "flatten": ".tree",
+            "unflatten": ".tree", "plan": ".layout", "unpack": ".layout", "fragments": ".layout",
+            "register_safe_class": ".safe_types"}
+__getattr__ = exporter(__name__, _EXPORTS)
+__all__ = list(_EXPORTS)

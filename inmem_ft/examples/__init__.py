@@ -1,0 +1,1 @@
+"""Runnable examples; `python -m inmem_ft.examples.<name>`."""

@@ -1,0 +1,1 @@
+"""Run jobs on simulated nodes of one machine, inject failures, supervise restarts, report a timeline."""

@@ -1,0 +1,182 @@
+"""Run a training command on a simulated cluster, inject failures, restart, and keep a timeline.
+
+The supervisor does what torchrun's agent and an operator do on a real cluster: when a rank dies or stops
+sending heartbeats it stops the survivors and restarts every rank; when a node is lost it brings up a
+replacement SMP under the lost node's id. The ranks themselves decide where to restore from.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field
+
+from .. import telemetry
+from .simulated import SimulatedCluster
+
+
+@dataclass
+class Failure:
+    kind: str  # "rank": kill -9 one rank; "node": lose a whole node; "hang": stop a rank (SIGSTOP)
+    step: int
+    target: int
+    fired: bool = False
+
+    _SPEC = re.compile(r"^(\d+):(\d+)$")
+
+    @classmethod
+    def parse(cls, kind: str, spec: str) -> "Failure":
+        m = cls._SPEC.match(spec)
+        if not m:
+            raise ValueError(f"--{kind}-{'node' if kind == 'node' else 'rank'} {spec!r}: expected STEP:INDEX, e.g. 12:3")
+        return cls(kind, int(m.group(1)), int(m.group(2)))
+
+    def describe(self) -> str:
+        return {"rank": f"kill -9 rank {self.target}", "node": f"lose node {self.target} (processes, SMP, memory)",
+                "hang": f"hang rank {self.target} (SIGSTOP)"}[self.kind] + f" at step {self.step}"
+
+
+@dataclass
+class Event:
+    t: float
+    kind: str
+    text: str
+    step: int | None = None
+
+
+@dataclass
+class Timeline:
+    events: list[Event] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    reference: dict[int, float] | None = None
+    failures: list[tuple[int, str]] = field(default_factory=list)  # (step, description) for the plot
+    ok: bool = False
+
+    @property
+    def matches_reference(self) -> bool | None:
+        if self.reference is None:
+            return None
+        return bool(self.losses) and self.losses == self.reference
+
+    def format(self) -> str:
+        lines = [f"{'t (s)':>7}  {'event':<10}  details"]
+        lines += [f"{e.t:7.1f}  {e.kind:<10}  {e.text}" for e in self.events]
+        return "\n".join(lines)
+
+
+class Supervisor:
+    def __init__(self, cluster: SimulatedCluster, argv: list[str], failures: list[Failure], *,
+                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str):
+        self.cluster, self.argv, self.failures = cluster, argv, failures
+        self.heartbeat_timeout_s, self.max_restarts, self.work_dir = heartbeat_timeout_s, max_restarts, work_dir
+        self.loss_log = os.path.join(work_dir, "loss.jsonl")
+        self.timeline = Timeline()
+        self._t0 = time.monotonic()
+        self._seen_snapshots: set[int] = set()
+        self._lost_nodes: list[int] = []
+        self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
+
+    def event(self, kind: str, text: str, step: int | None = None) -> None:
+        self.timeline.events.append(Event(time.monotonic() - self._t0, kind, text, step))
+
+    def run(self) -> Timeline:
+        for attempt in range(self.max_restarts + 1):
+            for node in self._lost_nodes:
+                self.cluster.start_smp(node)
+                self.event("replace", f"node {node}: replacement SMP started empty under the lost node's id")
+            self._lost_nodes = []
+            if self._attempt(attempt + 1):
+                self.timeline.ok = True
+                break
+        else:
+            self.event("give up", f"still failing after {self.max_restarts} restarts")
+        self.timeline.losses = telemetry.read_losses(self.loss_log)
+        return self.timeline
+
+    def _attempt(self, number: int) -> bool:
+        hb_dir = os.path.join(self.work_dir, f"heartbeats{number}")
+        os.makedirs(hb_dir, exist_ok=True)
+        self.cluster.launch(self.argv, {telemetry.HEARTBEAT_DIR: hb_dir, telemetry.LOSS_LOG: self.loss_log})
+        self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes")
+        t0, restored_seen = time.monotonic(), False
+        while True:
+            beats = telemetry.read_heartbeats(hb_dir)
+            restored_seen = self._note_restore(beats, restored_seen)
+            self._note_snapshots(beats)
+            self._note_recovery(beats)
+            self._inject(beats)
+            hung = self._hung(beats)
+            failed = self.cluster.failed_ranks()
+            if hung or failed:
+                step = max((b.get("step", 0) for b in beats.values()), default=0)
+                attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
+                why = (f"rank {failed[0]} exited with {attempt.returncodes[failed[0]]}" if failed else
+                       f"no heartbeat for {self.heartbeat_timeout_s:g} s from ranks {hung} (hung)")
+                self.event("detected", f"{why}; survivors stopped, all ranks restart", step)
+                self._pending_loss.append((time.monotonic(), step))
+                return False
+            if not self.cluster.running():
+                self.cluster.end_attempt(t0)
+                self.event("finished", f"attempt {number}: every rank exited cleanly")
+                return True
+            time.sleep(0.05)
+
+    def _note_restore(self, beats: dict, seen: bool) -> bool:
+        if seen or len(beats) < self.cluster.world_size or any("restored" not in b for b in beats.values()):
+            return seen
+        restored = [b["restored"] for b in beats.values()]
+        if all(r is None for r in restored):
+            self.event("restore", "no snapshot: starting from step 0")
+        else:
+            r = max(restored, key=lambda x: x["seconds"])
+            sources = sorted({x["source"] for x in restored if x})
+            self.event("restore", f"step {r['step']} from {' + '.join(sources)} in {r['seconds']:.3f} s "
+                                  f"(slowest rank)", r["step"])
+        return True
+
+    def _note_snapshots(self, beats: dict) -> None:
+        steps = [b.get("snapshot_step") for b in beats.values()]
+        if len(steps) == self.cluster.world_size and None not in steps and len(set(steps)) == 1:
+            step = steps[0]
+            if step not in self._seen_snapshots:
+                self._seen_snapshots.add(step)
+                stall = max(b["stall_s"] for b in beats.values())
+                self.event("snapshot", f"step {step}: training blocked {stall * 1e3:.1f} ms (slowest rank)", step)
+
+    def _note_recovery(self, beats: dict) -> None:
+        if not self._pending_loss or not beats:
+            return
+        now_step = min(b.get("step", 0) for b in beats.values())
+        t_fail, step = self._pending_loss[0]
+        if now_step >= step:
+            self._pending_loss.pop(0)
+            self.event("recovered", f"back at step {step}: {time.monotonic() - t_fail:.1f} s lost to the failure",
+                       step)
+
+    def _inject(self, beats: dict) -> None:
+        for f in self.failures:
+            if f.fired:
+                continue
+            watched = ([r for r in range(self.cluster.world_size) if self.cluster.node_of(r) == f.target]
+                       if f.kind == "node" else [f.target])
+            if not all(beats.get(r, {}).get("step", -1) >= f.step for r in watched):
+                continue
+            f.fired = True
+            self.timeline.failures.append((f.step, f.describe()))
+            self.event("failure", f.describe(), f.step)
+            if f.kind == "rank":
+                self.cluster.procs[f.target].send_signal(signal.SIGKILL)
+            elif f.kind == "hang":
+                self.cluster.procs[f.target].send_signal(signal.SIGSTOP)
+            else:
+                self.cluster.lose_node(f.target)
+                self._lost_nodes.append(f.target)
+
+    def _hung(self, beats: dict) -> list[int]:
+        """Ranks silent past the timeout. A hung rank soon silences its peers too (they wait on it in a
+        collective), so all of them are reported; any one of them is reason to restart."""
+        now = time.time()
+        return sorted(rank for rank, beat in beats.items()
+                      if not beat.get("done") and now - beat["time"] > self.heartbeat_timeout_s
+                      and self.cluster.procs[rank].poll() is None)

@@ -1,0 +1,67 @@
+"""What a trainer tells the outside world: a per-rank heartbeat file and the loss log.
+
+Supervisors (`inmem-ft launch`, the demo) read them to notice hung ranks, to inject failures at a given
+step and to draw the timeline. Both are opt-in through environment variables the supervisor sets, and
+cost one small file write per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch.distributed as dist
+
+HEARTBEAT_DIR = "INMEM_FT_HEARTBEAT_DIR"
+LOSS_LOG = "INMEM_FT_LOSS_LOG"
+
+
+class Heartbeat:
+    def __init__(self, directory: str, rank: int):
+        self.path = os.path.join(directory, f"rank{rank}.json")
+        self.state: dict = {"rank": rank, "pid": os.getpid(), "attempt": os.environ.get("INMEM_FT_ATTEMPT")}
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Heartbeat | None":
+        directory = os.environ.get(HEARTBEAT_DIR)
+        return cls(directory, rank) if directory else None
+
+    def beat(self, **fields) -> None:
+        self.state.update(fields, time=time.time())
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f)
+        os.replace(tmp, self.path)  # readers never see half a file
+
+
+def read_heartbeats(directory: str) -> dict[int, dict]:
+    out = {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    beat = json.load(f)
+            except (OSError, ValueError):
+                continue
+            out[beat["rank"]] = beat
+    return out
+
+
+def report_loss(step: int, loss: float, path: str | None = None) -> None:
+    """Append (step, loss) to the loss log (`path` or $INMEM_FT_LOSS_LOG) from rank 0; a no-op without one."""
+    path = path or os.environ.get(LOSS_LOG)
+    if not path or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "loss": float(loss), "time": time.time()}) + "\n")
+
+
+def read_losses(path: str) -> dict[int, float]:
+    """The loss of each step; a step run again after a restart keeps its last value."""
+    out = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                out[rec["step"]] = rec["loss"]
+    return out
