@@ -26,9 +26,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
-    p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
+    p.add_argument("--die-at", type=int, default=None,
+                   help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
     p.add_argument("--die-rank", type=int, default=0)
     args = p.parse_args()
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,210 @@
+#!/usr/bin/env bash
+# torchrun_inmem.sh: run one node of an inmem_ft-protected torchrun job.
+#
+# Usage (on every node, the same command):
+#   INMEM_FT_JOB=myjob INMEM_FT_MEMORY_BUDGET=64GiB \
+#   NNODES=4 NODE_RANK=<0..3> NPROC_PER_NODE=8 MASTER_ADDR=node0 MASTER_PORT=29500 \
+#     launch/torchrun_inmem.sh train.py --train-args...
+#
+# What it does on this node:
+#   1. checks its inputs (a clear message and exit code 2 on a bad one);
+#   2. starts this node's SMP (`python -m inmem_ft smp start`), an owner-only daemon that holds the
+#      ranks' in-memory snapshots; if one already serves this job and node (a re-queued job whose
+#      previous launcher was killed), it is reused;
+#   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun
+#      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
+#      and the restarted ranks restore from the SMPs, which outlive the restarts;
+#   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP. The snapshots stay
+#      in shared memory (/dev/shm/inmemft.<job>.*) so that a re-queued job under the same job id resumes
+#      from them; set INMEM_FT_WIPE_ON_EXIT=1 to delete them instead (then free them yourself otherwise:
+#      `inmem-ft smp start ... && inmem-ft smp stop --wipe`, or remove /dev/shm/inmemft.<job>.*).
+#
+# Environment:
+#   INMEM_FT_JOB            job id, 1-64 of [A-Za-z0-9_-] (default: $SLURM_JOB_ID); the same on every node
+#   INMEM_FT_MEMORY_BUDGET  shared memory this node's SMP may use, e.g. 64GiB (required)
+#   NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT
+#                           the usual torchrun variables (defaults 1, 0, 1, 127.0.0.1, 29500; MASTER_ADDR
+#                           is required when NNODES > 1). NODE_RANK is also the SMP's node id.
+#   INMEM_FT_MAX_RESTARTS   torchrun --max-restarts (default 3)
+#   INMEM_FT_RDZV_BACKEND   torchrun rendezvous: c10d (default) or static (see below)
+#   INMEM_FT_SECRET / INMEM_FT_SECRET_FILE
+#                           the per-job SMP-to-SMP secret (erasure coding across nodes), as a value or as
+#                           a file that only its owner can read (mode 0600). It is put in the SMP's
+#                           environment only: never on a command line, never in the trainers' environment.
+#   INMEM_FT_SMP_ARGS       extra arguments for `inmem-ft smp start` (split on whitespace), e.g. the EC
+#                           options "--parity 1 --nodes 4 --peers 0=node0:7100,1=node1:7100,..."
+#   INMEM_FT_WIPE_ON_EXIT   1: delete this node's snapshots when the job ends (default 0: keep them)
+#   INMEM_FT_RUNTIME_DIR    where SMP sockets and logs go (default $XDG_RUNTIME_DIR/inmem_ft or
+#                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
+#   PYTHON, TORCHRUN        the interpreter and torchrun to use (default: `python`, `torchrun` on PATH)
+#   TORCHRUN_ARGS           extra torchrun arguments (split on whitespace), e.g. "--log-dir /tmp/tr"
+#
+# Rendezvous: with c10d (the default) torchrun assigns node ranks itself, ignoring NODE_RANK: each
+# agent keeps its place across restarts, so a rank restores from the SMP it saved to, but the global
+# ranks of a node may differ from NODE_RANK*NPROC_PER_NODE. With static, RANK = NODE_RANK *
+# NPROC_PER_NODE + LOCAL_RANK always, also across a re-queue, at the cost of torchrun's membership
+# handling (the survivors restart when their collectives fail, not when the agents notice).
+#
+# Log lines on stderr: "[inmem_ft] launch node=N event=..." (start, smp_started, smp_reused, torchrun,
+# signal, torchrun_exit, smp_stopped, error).
+# Exit code: torchrun's; 2 for bad input; 3 if the SMP could not be started.
+set -uo pipefail
+
+NODE_RANK="${NODE_RANK:-0}"
+PROG="$(basename "$0")"
+
+log() { echo "[inmem_ft] launch node=${NODE_RANK} event=$*" >&2; }
+fail() {  # fail CODE MESSAGE
+    local code="$1"; shift
+    echo "$PROG: error: $*" >&2
+    log "error rc=${code} msg=\"$*\""
+    exit "$code"
+}
+is_uint() { [[ "$1" =~ ^[0-9]+$ ]]; }
+
+# ---- inputs -----------------------------------------------------------------------------------------
+if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
+    sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0" >&2
+    [[ $# -lt 1 ]] && exit 2
+    exit 0
+fi
+
+INMEM_FT_JOB="${INMEM_FT_JOB:-${SLURM_JOB_ID:-}}"
+NNODES="${NNODES:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+MAX_RESTARTS="${INMEM_FT_MAX_RESTARTS:-3}"
+RDZV_BACKEND="${INMEM_FT_RDZV_BACKEND:-c10d}"
+PYTHON="${PYTHON:-python}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+
+[[ -n "$INMEM_FT_JOB" ]] || fail 2 "INMEM_FT_JOB is not set: give the job a id (the same on every node)"
+[[ "$INMEM_FT_JOB" =~ ^[A-Za-z0-9_-]{1,64}$ ]] \
+    || fail 2 "INMEM_FT_JOB='$INMEM_FT_JOB' must be 1-64 characters of letters, digits, '_' or '-'"
+[[ -n "${INMEM_FT_MEMORY_BUDGET:-}" ]] \
+    || fail 2 "INMEM_FT_MEMORY_BUDGET is not set: the shared memory this node's SMP may use, e.g. 64GiB"
+for var in NNODES NODE_RANK NPROC_PER_NODE MASTER_PORT MAX_RESTARTS; do
+    is_uint "${!var}" || fail 2 "$var='${!var}' must be a non-negative integer"
+done
+(( NNODES >= 1 )) || fail 2 "NNODES must be at least 1"
+(( NPROC_PER_NODE >= 1 )) || fail 2 "NPROC_PER_NODE must be at least 1"
+(( NODE_RANK < NNODES )) || fail 2 "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+if [[ -z "${MASTER_ADDR:-}" ]]; then
+    (( NNODES == 1 )) || fail 2 "MASTER_ADDR is not set: the address of node 0, reachable from every node"
+    MASTER_ADDR=127.0.0.1
+fi
+[[ "$RDZV_BACKEND" == c10d || "$RDZV_BACKEND" == static ]] \
+    || fail 2 "INMEM_FT_RDZV_BACKEND='$RDZV_BACKEND' must be c10d or static"
+command -v "$PYTHON" >/dev/null || fail 2 "PYTHON='$PYTHON' not found on PATH"
+command -v "$TORCHRUN" >/dev/null || fail 2 "TORCHRUN='$TORCHRUN' not found on PATH"
+
+# The secret: read here, then removed from this shell's environment; only the SMP gets it.
+secret=""
+if [[ -n "${INMEM_FT_SECRET:-}" && -n "${INMEM_FT_SECRET_FILE:-}" ]]; then
+    fail 2 "both INMEM_FT_SECRET and INMEM_FT_SECRET_FILE are set: give the secret one way"
+elif [[ -n "${INMEM_FT_SECRET_FILE:-}" ]]; then
+    f="$INMEM_FT_SECRET_FILE"
+    [[ -f "$f" && -r "$f" ]] || fail 2 "secret file '$f' does not exist or is not readable"
+    read -r owner mode < <(stat -L -c '%u %a' -- "$f")
+    [[ "$owner" == "$(id -u)" ]] || fail 2 "secret file '$f' is owned by uid $owner, not by you (uid $(id -u))"
+    (( (8#$mode & 8#077) == 0 )) \
+        || fail 2 "secret file '$f' is readable by group/others (mode $mode): chmod 600 '$f'"
+    secret="$(<"$f")"
+    secret="${secret#"${secret%%[![:space:]]*}"}"  # strip surrounding whitespace, as the SMP does
+    secret="${secret%"${secret##*[![:space:]]}"}"
+    [[ -n "$secret" ]] || fail 2 "secret file '$f' is empty"
+elif [[ -n "${INMEM_FT_SECRET:-}" ]]; then
+    secret="$INMEM_FT_SECRET"
+fi
+unset INMEM_FT_SECRET INMEM_FT_SECRET_FILE
+
+read -r -a smp_extra <<< "${INMEM_FT_SMP_ARGS:-}"
+read -r -a torchrun_extra <<< "${TORCHRUN_ARGS:-}"
+export INMEM_FT_JOB
+export INMEM_FT_NODE="$NODE_RANK"
+
+log "start job=${INMEM_FT_JOB} nnodes=${NNODES} nproc_per_node=${NPROC_PER_NODE}" \
+    "master=${MASTER_ADDR}:${MASTER_PORT} rdzv=${RDZV_BACKEND} max_restarts=${MAX_RESTARTS}"
+
+# ---- the SMP ----------------------------------------------------------------------------------------
+# Socket path as the CLI computes it (INMEM_FT_RUNTIME_DIR etc.), unless INMEM_FT_SMP_SOCKET is given.
+if [[ -z "${INMEM_FT_SMP_SOCKET:-}" ]]; then
+    INMEM_FT_SMP_SOCKET="$("$PYTHON" -c 'import sys; from inmem_ft.smp.paths import default_socket as s
+print(s(sys.argv[1], int(sys.argv[2])))' "$INMEM_FT_JOB" "$NODE_RANK")" \
+        || fail 2 "cannot import inmem_ft with PYTHON='$PYTHON' (is it installed, or on PYTHONPATH?)"
+fi
+export INMEM_FT_SMP_SOCKET
+smp=("$PYTHON" -m inmem_ft smp)
+node_args=(--job "$INMEM_FT_JOB" --node "$NODE_RANK" --socket "$INMEM_FT_SMP_SOCKET")
+
+smp_pid=""
+torchrun_pid=""
+# shellcheck disable=SC2317  # called from traps
+on_signal() {  # before torchrun runs: exit (the EXIT trap stops the SMP); after: tell torchrun to stop
+    log "signal sig=$1"
+    if [[ -z "$torchrun_pid" ]]; then
+        exit $((128 + $(kill -l "$1")))
+    fi
+    kill -TERM "$torchrun_pid" 2>/dev/null
+}
+for sig in TERM INT HUP; do
+    # shellcheck disable=SC2064  # expand $sig now
+    trap "on_signal $sig" "$sig"
+done
+smp_running() { "${smp[@]}" status "${node_args[@]}" >/dev/null 2>&1; }
+# shellcheck disable=SC2317  # called from the EXIT trap
+stop_smp() {
+    local wipe=() rc
+    [[ "${INMEM_FT_WIPE_ON_EXIT:-0}" == 1 ]] && wipe=(--wipe)
+    "${smp[@]}" stop "${node_args[@]}" "${wipe[@]}" >/dev/null 2>&1
+    rc=$?
+    if (( rc == 0 )); then
+        log "smp_stopped wiped=${INMEM_FT_WIPE_ON_EXIT:-0}"
+    else
+        log "smp_stop_failed rc=$rc pid=${smp_pid:-?}"
+        [[ -n "$smp_pid" ]] && kill -TERM "$smp_pid" 2>/dev/null
+    fi
+}
+
+if smp_running; then
+    log "smp_reused socket=${INMEM_FT_SMP_SOCKET}"
+else
+    # A subshell exports the secret to the SMP alone (`env VAR=...` would show it in ps).
+    out="$(
+        [[ -n "$secret" ]] && export INMEM_FT_SECRET="$secret"
+        exec "${smp[@]}" start "${node_args[@]}" --memory-budget "$INMEM_FT_MEMORY_BUDGET" "${smp_extra[@]}" 2>&1
+    )" || fail 3 "the SMP did not start: ${out//$'\n'/ | }"
+    [[ "$out" =~ pid\ ([0-9]+) ]] && smp_pid="${BASH_REMATCH[1]}"
+    log "smp_started pid=${smp_pid:-?} socket=${INMEM_FT_SMP_SOCKET}"
+fi
+secret=""
+trap stop_smp EXIT
+
+# ---- torchrun ---------------------------------------------------------------------------------------
+rdzv=(--rdzv-backend="$RDZV_BACKEND" --rdzv-id="$INMEM_FT_JOB")
+if [[ "$RDZV_BACKEND" == c10d ]]; then
+    # Node 0 hosts the rendezvous store (deterministic also when every node resolves to one host).
+    is_host=false; (( NODE_RANK == 0 )) && is_host=true
+    rdzv+=(--rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" --rdzv-conf="is_host=${is_host}")
+    # By default the workers of every attempt share the rendezvous store, where the previous
+    # attempt's gloo/NCCL addresses are still found: a restarted rank then connects to a dead port
+    # ("Connection refused") and the restarts are used up. A fresh store per round avoids that.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+else
+    rdzv+=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
+fi
+cmd=("$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${rdzv[@]}"
+     --max-restarts="$MAX_RESTARTS" "${torchrun_extra[@]}" "$@")
+log "torchrun cmd=\"${cmd[*]}\""
+
+# torchrun runs in the background so that a signal reaches the trap at once; torchrun is told to stop
+# with SIGTERM (a background job of a script ignores SIGINT), stops its workers and exits.
+"${cmd[@]}" &
+torchrun_pid=$!
+while :; do
+    wait "$torchrun_pid"
+    rc=$?
+    kill -0 "$torchrun_pid" 2>/dev/null || break  # else: wait was interrupted by a trapped signal
+done
+log "torchrun_exit rc=$rc"
+exit "$rc"
