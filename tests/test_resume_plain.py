@@ -39,9 +39,9 @@ def reference(tmp_path_factory):
     return losses
 
 
-def resume(cluster, runtime, reference, first_expected):
+def resume(cluster, runtime, reference, first_expected, extra=()):
     log = runtime / "resumed.jsonl"
-    attempt = cluster.run(EXAMPLE + ["--loss-log", str(log)])
+    attempt = cluster.run(EXAMPLE + ["--loss-log", str(log), *extra])
     assert attempt.ok, cluster.rank_log(attempt.number, 0)
     resumed = read_losses(log)
     assert min(resumed) == first_expected, "resumed from an unexpected snapshot"
@@ -49,17 +49,19 @@ def resume(cluster, runtime, reference, first_expected):
     return attempt
 
 
-def crash(cluster, runtime, die_at, die_rank):
+def crash(cluster, runtime, die_at, die_rank, extra=()):
     log = runtime / "before.jsonl"
-    attempt = cluster.run(EXAMPLE + ["--loss-log", str(log), "--die-at", str(die_at), "--die-rank", str(die_rank)])
+    attempt = cluster.run(EXAMPLE + ["--loss-log", str(log), "--die-at", str(die_at), "--die-rank", str(die_rank),
+                                     *extra])
     assert not attempt.ok and attempt.returncodes[die_rank] == -9
     return read_losses(log)
 
 
-def test_kill_one_rank_resumes_bit_identical(cluster, runtime, reference):
-    before = crash(cluster, runtime, die_at=12, die_rank=3)
+@pytest.mark.parametrize("extra", [(), ("--dp-split",)], ids=["full", "dp-split"])
+def test_kill_one_rank_resumes_bit_identical(cluster, runtime, reference, extra):
+    before = crash(cluster, runtime, die_at=12, die_rank=3, extra=extra)
     assert all(before[s] == reference[s] for s in before)
-    resume(cluster, runtime, reference, first_expected=11)
+    resume(cluster, runtime, reference, first_expected=11, extra=extra)
     status = control.call(cluster.socket_path(1), "status")
     assert status["complete_step"] == STEPS
 

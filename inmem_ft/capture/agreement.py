@@ -34,10 +34,26 @@ class Agreement:
         return [t.tolist() for t in out]
 
 
+    def mirror(self, group) -> "object | None":
+        """A gloo group with the same members as `group` (which may be NCCL), usable from the commit thread.
+
+        new_group is collective over the whole world, so every rank learns every group's members first and
+        all ranks create all the mirrors in the same order.
+        """
+        if group is None or not self.distributed:
+            return None
+        members = dist.get_process_group_ranks(group)
+        rows = self.gather(sorted(members))
+        mine = None
+        for ranks in sorted({tuple(r) for r in rows}):
+            g = dist.new_group(list(ranks), backend="gloo")
+            if self.rank in ranks:
+                mine = g
+        return mine
+
+
 def all_gather_bytes(share: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every group member's equal-length uint8 `share`, in group-rank order."""
-    on_gpu = "nccl" in str(dist.get_backend(group))
-    src = share.cuda() if on_gpu else share
-    parts = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, src, group=group)
-    return torch.cat(parts).cpu()
+    parts = [torch.empty_like(share) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, share, group=group)
+    return torch.cat(parts)

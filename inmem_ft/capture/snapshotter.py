@@ -69,9 +69,9 @@ class Snapshotter:
         self.config = config or SnapshotConfig.from_env()
         self._agree = Agreement(self.config.timeout_s)
         self.rank, self.world_size = self._agree.rank, self._agree.world_size
-        self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._dp_gloo = self._agree.mirror(dp_group) if self.dp_size > 1 else None
         self._smp = SMPClient(self.config.socket_path, timeout_s=self.config.timeout_s)
         self._smp.call("ping")  # no SMP: fail now, with the command that starts one
         self._copier = Copier(self.config.staging_budget)
@@ -246,7 +246,7 @@ class Snapshotter:
         share[: rep["hi"] - rep["lo"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
         if self.dp_size == 1:
             return share
-        return all_gather_bytes(share, self.dp_group)[: rep["total"]]
+        return all_gather_bytes(share, self._dp_gloo)[: rep["total"]]
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

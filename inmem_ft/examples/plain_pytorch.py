@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
     p.add_argument("--die-rank", type=int, default=0)
+    p.add_argument("--dp-split", action="store_true",
+                   help="replicas store only their share of the (replicated) model and optimizer")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
@@ -42,13 +44,15 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout masks
 
-    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=args.interval))
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=args.interval),
+                                dp_group=dist.group.WORLD if args.dp_split else None)
+    shared = inmem_ft.Replicated if args.dp_split else (lambda tree: tree)
     start = 0
     state = snap.restore()
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
+        model.load_state_dict(state["train"]["model"])
+        opt.load_state_dict(state["train"]["optimizer"])
+        sched.load_state_dict(state["train"]["scheduler"])
         inmem_ft.restore_rng_state(state["rng"])
         start = state["step"]
 
@@ -64,9 +68,9 @@ def main() -> None:
         sched.step()
         dist.all_reduce(loss)
         inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
-        snap.maybe_save(step, lambda: {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                       "scheduler": sched.state_dict(), "rng": inmem_ft.capture_rng_state(),
-                                       "step": step})
+        snap.maybe_save(step, lambda: {"train": shared({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                        "scheduler": sched.state_dict()}),
+                                       "rng": inmem_ft.capture_rng_state(), "step": step})
         if step == args.die_at and rank == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
     snap.close()
