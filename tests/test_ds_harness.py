@@ -10,6 +10,7 @@ from ds_harness import FORGETTABLE, HarnessConfig, assert_same_losses, check_res
 SAVE, KILL = 3, 5
 
 
+@pytest.mark.slow  # checks DeepSpeed and the harness, not inmem_ft: kept out of the default suite's time
 @pytest.mark.parametrize("stage", [1, 3])
 def test_stock_resume_is_bit_exact(stage, tmp_path):
     check_resume(HarnessConfig(stage=stage, world_size=2, steps=8), tmp_path,
