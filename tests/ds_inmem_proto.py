@@ -1,7 +1,7 @@
 """Test-only prototype of the DeepSpeed hook the adapter will use; not the adapter.
 
 It checks, against real DeepSpeed, the three things the recommended integration relies on
-(NOTES-deepspeed.md, "Recommended integration"):
+(docs/deepspeed-checkpoint-flow.md, "Recommended integration"):
 1. A CheckpointEngine assigned to `engine.checkpoint_engine` after `deepspeed.initialize` receives every
    state dict `save_checkpoint` writes, and can turn each into (JSON manifest, raw tensor bytes) with a
    closed set of types: no pickle. `encode` raises on any type outside that set.

@@ -1,4 +1,4 @@
-"""The hook points NOTES-deepspeed.md recommends carry a bit-exact resume with no pickle and no
+"""The hook points docs/deepspeed-checkpoint-flow.md recommends carry a bit-exact resume with no pickle and no
 checkpoint files: a CheckpointEngine swapped into the DeepSpeed engine, plus a skeleton directory."""
 import pytest
 
