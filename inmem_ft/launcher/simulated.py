@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..cluster.options import ECOptions
 from ..smp import control, paths
 from ..smp.segments import names_with_prefix, unlink
 
@@ -39,7 +40,10 @@ class Attempt:
 
 class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
-                 env: dict | None = None):
+                 env: dict | None = None, parity: int | None = None, group_size: int | None = None,
+                 ec_bandwidth: int | None = None):
+        """`parity` m turns on erasure coding across the nodes (INMEM_FT_SECRET must be in `env` or the
+        environment); each SMP then also listens on a loopback TCP port of its own."""
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
         self.memory_budget, self.log_dir = memory_budget, log_dir
@@ -49,6 +53,10 @@ class SimulatedCluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0
         os.makedirs(log_dir, exist_ok=True)
+        self.ec = None
+        if parity is not None:
+            peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
+            self.ec = ECOptions(parity, nodes, peers, group_size, bandwidth=ec_bandwidth)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -59,7 +67,8 @@ class SimulatedCluster:
     # ---- SMPs ---------------------------------------------------------------------------------------------
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
-                                        os.path.join(self.log_dir, f"smp-node{node}.log"))
+                                        os.path.join(self.log_dir, f"smp-node{node}.log"),
+                                        extra_args=self.ec.argv() if self.ec else ())
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):

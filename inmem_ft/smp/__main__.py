@@ -5,6 +5,7 @@ import os
 import sys
 
 from .. import units
+from ..cluster.options import add_ec_arguments, make_protector, options_from_args
 from . import paths
 from .daemon import SMP, check_budget_fits
 
@@ -15,12 +16,17 @@ def main(argv=None) -> int:
     p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")))
     p.add_argument("--socket", default=None)
     p.add_argument("--memory-budget", required=True, type=units.parse_size)
+    add_ec_arguments(p)
     args = p.parse_args(argv)
+    ec = options_from_args(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
     check_budget_fits(args.memory_budget)
     smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
     smp.adopt_existing()
+    if ec is not None:
+        smp.protector = make_protector(smp, ec)
+        smp.protector.adopt()
     smp.serve()
     return 0
 

@@ -25,6 +25,9 @@ from .segments import Segment, free_bytes, names_with_prefix, unlink
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
+# How long a begin waits for the group to protect the complete step before it overwrites the older
+# protected one (keeping the complete step safe locally matters more than surviving a node loss).
+PROTECT_WAIT_S = 60.0
 
 
 class RequestError(Exception):
@@ -57,7 +60,9 @@ class SMP:
         self.writers: dict[int, tuple[int, int]] = {}  # rank -> (slot index, connection id)
         self.complete_step: int | None = None
         self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.started = time.time()
+        self.protector = None  # a cluster.protection.Protector when erasure coding is on
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -125,12 +130,13 @@ class SMP:
         man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
         size = seg.slot_size(man_len, data_len)
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+        pins = self._pins(slots, keep)
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
                 if slots[i] is None or slots[i].segment.size < size:
-                    if slots[i] is None or slots[i].committed_step() != keep:
+                    if slots[i] is None or slots[i].committed_step() not in pins:
                         self._allocate(rank, i, size)
-        index = self._choose(slots, keep)
+        index = self._choose(slots, pins)
         slot = slots[index]
         if slot is None or slot.segment.size < size:
             slot = self._allocate(rank, index, size)
@@ -138,12 +144,32 @@ class SMP:
         self.writers[rank] = (index, conn_id)
         return {"segment": slot.segment.name, "data_off": seg.data_offset(man_len), "slot": index}
 
+    def _pins(self, slots: list[Slot | None], keep: int | None) -> set:
+        """Steps a begin must not overwrite: the job's complete step and, with EC, the newest protected one
+        (survivors rebuild a lost node from it). When both fill every slot, wait for the group to protect
+        the complete step, which frees the older one; past PROTECT_WAIT_S give up the protected pin."""
+        if self.protector is None:
+            return {keep}
+        deadline = time.monotonic() + PROTECT_WAIT_S
+        while True:
+            pins = {keep, self.protector.protected}
+            held = {s.committed_step() for s in slots if s is not None}
+            if None in held or len(held) < SLOTS_PER_RANK or not held <= pins:
+                return pins
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("smp node=%d event=unprotect step=%s reason=step %s was not protected within %.0f s: "
+                            "overwriting the older protected step; a node loss now falls to the next tier",
+                            self.node, self.protector.protected, keep, PROTECT_WAIT_S)
+                return {keep}
+            self.cond.wait(left)
+
     @staticmethod
-    def _choose(slots: list[Slot | None], keep: int | None) -> int:
-        """A slot to write: never the one holding `keep`; else an empty one; else the older step."""
+    def _choose(slots: list[Slot | None], pins: set) -> int:
+        """A slot to write: never one holding a pinned step; else an empty one; else the older step."""
         def rank_of(i):
             step = slots[i].committed_step() if slots[i] is not None else None
-            return (step is not None and step == keep, -1 if step is None else step)
+            return (step is not None and step in pins, -1 if step is None else step)
         return min(range(SLOTS_PER_RANK), key=rank_of)
 
     def op_commit(self, msg, conn_id):
@@ -183,6 +209,11 @@ class SMP:
 
     def op_list(self, msg, conn_id):
         rank = int(msg["rank"])
+        if self.protector is not None:
+            # A replacement node answers once it has rebuilt its ranks' slots from the group.
+            self.cond.wait_for(self.protector.rebuild_done.is_set, PROTECT_WAIT_S)
+            if self.protector.rebuild_error:
+                raise RequestError("lost", self.protector.rebuild_error)
         out = []
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
@@ -191,7 +222,23 @@ class SMP:
 
     def op_complete(self, msg, conn_id):
         self.complete_step = int(msg["step"])
+        if self.protector is not None:
+            self.protector.notify_complete(self.complete_step)
         return {}
+
+    def install_slot(self, rank: int, raw) -> None:
+        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`, verified like a restore would."""
+        header = seg.Header.read(raw)
+        if header is None:
+            raise SnapshotCorrupt(f"rebuilt slot of rank {rank} has no valid header")
+        with self.lock:
+            self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+            try:
+                slot = self._allocate(rank, 0, seg.slot_size(header.manifest_len, header.data_len))
+            except RequestError as e:
+                raise SnapshotCorrupt(f"cannot hold the rebuilt slot of rank {rank}: {e}") from None
+            slot.segment.buf[: len(raw)] = raw
+            seg.verify(slot.segment.buf, f"rebuilt rank {rank} slot {slot.segment.name}")
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
@@ -219,7 +266,8 @@ class SMP:
             ranks.append({"rank": rank, "slots": slots})
         return {"job": self.job, "node": self.node, "pid": os.getpid(), "budget": self.budget,
                 "used": self.used_bytes(), "complete_step": self.complete_step, "ranks": ranks,
-                "uptime_s": round(time.time() - self.started, 1)}
+                "uptime_s": round(time.time() - self.started, 1),
+                "ec": self.protector.status() if self.protector is not None else None}
 
     def op_shutdown(self, msg, conn_id):
         if msg.get("wipe"):
@@ -234,6 +282,8 @@ class SMP:
                     slot.segment.close()
                     slot.segment.unlink()
         self.slots.clear()
+        if self.protector is not None:
+            self.protector.wipe()
         log.info("smp node=%d event=wipe", self.node)
 
     def disconnected(self, conn_id: int) -> None:
@@ -278,12 +328,16 @@ class SMP:
             os.umask(old_umask)
         self.server.daemon_threads = True
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        if self.protector is not None:
+            self.protector.start()
         log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
                  self.socket_path, self.budget, os.getpid())
         try:
             self.server.serve_forever(poll_interval=0.2)
         finally:
             self.server.server_close()
+            if self.protector is not None:
+                self.protector.close()
             if os.path.exists(self.socket_path):
                 os.unlink(self.socket_path)
             log.info("smp node=%d event=stopped", self.node)
