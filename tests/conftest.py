@@ -1,6 +1,7 @@
 """Shared fixtures: every test gets its own runtime dir (sockets, logs) and job id, so SMPs and
 segments of different tests never meet, and nothing is left in /dev/shm afterwards."""
 import os
+import time
 import uuid
 
 import pytest
@@ -24,3 +25,16 @@ def job(runtime):
     yield name
     for seg in names_with_prefix(f"inmemft.{name}."):
         unlink(seg)
+
+
+def wait_protected(cluster, step, timeout=60):
+    """Wait until every SMP of an erasure-coded SimulatedCluster reports `step` protected."""
+    from inmem_ft.smp import control
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(control.call(cluster.socket_path(n), "status")["ec"]["protected_step"] == step
+               for n in range(cluster.nodes)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not protected within {timeout} s")

@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+from conftest import wait_protected
+
 from inmem_ft.cluster import transport
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
@@ -53,16 +55,6 @@ def write_step(cluster, step, seed=0):
             client.close()
     for node in range(cluster.nodes):
         control.call(cluster.socket_path(node), "complete", step=step)
-
-
-def wait_protected(cluster, step, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(control.call(cluster.socket_path(n), "status")["ec"]["protected_step"] == step
-               for n in range(cluster.nodes)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not protected within {timeout} s")
 
 
 def node_bytes(cluster, node):
