@@ -1,7 +1,7 @@
 """inmem_ft: in-memory, erasure-coded snapshots of training state that survive trainer and node failures."""
 from ._lazy import exporter
 from .errors import (BudgetExceeded, ConfigError, InmemFTError, LayoutMismatch, SMPUnavailable,
-                     SnapshotCorrupt, UnsafeType)
+                     SnapshotCorrupt, SnapshotLost, UnsafeType)
 
 __version__ = "0.1.0"
 _EXPORTS = {"Snapshotter": ".capture", "capture_rng_state": ".capture", "restore_rng_state": ".capture",
@@ -9,4 +9,4 @@ _EXPORTS = {"Snapshotter": ".capture", "capture_rng_state": ".capture", "restore
             "Sharded": ".snapshot", "register_safe_class": ".snapshot", "report_loss": ".telemetry"}
 __getattr__ = exporter(__name__, _EXPORTS)
 __all__ = [*_EXPORTS, "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded", "SnapshotCorrupt",
-           "LayoutMismatch", "UnsafeType"]
+           "SnapshotLost", "LayoutMismatch", "UnsafeType"]

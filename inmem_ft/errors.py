@@ -21,6 +21,10 @@ class SnapshotCorrupt(InmemFTError):
     """A snapshot failed its checksums or is torn; it is never loaded."""
 
 
+class SnapshotLost(InmemFTError):
+    """More nodes of an erasure-coding group were lost than its parity tolerates: the next tier must serve."""
+
+
 class LayoutMismatch(InmemFTError):
     """The stored snapshot was taken by a job of another shape."""
 

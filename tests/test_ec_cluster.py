@@ -12,6 +12,7 @@ import pytest
 from conftest import wait_protected
 
 from inmem_ft.cluster import transport
+from inmem_ft.errors import SnapshotLost
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
 from inmem_ft.smp.client import SMPClient
@@ -112,7 +113,7 @@ def test_more_than_m_lost_names_the_nodes_and_restore_fails_clearly(job, runtime
         write_step(cluster, 1)
         wait_protected(cluster, 1)
         replace(cluster, (1, 3))
-        with pytest.raises(Exception, match=r"nodes \[1, 3\] of EC group \[0, 1, 2, 3\] are lost.*next tier \(disk\)"):
+        with pytest.raises(SnapshotLost, match=r"nodes \[1, 3\] of EC group \[0, 1, 2, 3\] are lost.*next tier \(disk\)"):
             control.call(cluster.socket_path(1), "list", rank=2)
     finally:
         cluster.stop()
@@ -146,7 +147,7 @@ def test_corrupted_parity_chunk_is_detected(job, runtime):
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 1]))
         replace(cluster, (1,))
-        with pytest.raises(Exception, match="parity chunk 0 of step 1 fails its checksum"):
+        with pytest.raises(SnapshotLost, match="parity chunk 0 of step 1 fails its checksum"):
             control.call(cluster.socket_path(1), "list", rank=2)
     finally:
         cluster.stop()

@@ -64,6 +64,25 @@ def test_lost_nodes_rebuilt_and_training_resumes_bit_identical(job, runtime, m, 
 
 
 @pytest.mark.slow
+def test_more_than_m_lost_fails_the_restore_with_a_clear_error(job, runtime):
+    cluster = SimulatedCluster(NODES, 1, job, 64 << 20, str(runtime / "logs"), parity=1).start()
+    try:
+        attempt = cluster.run(EXAMPLE + ["--die-at", "12", "--die-rank", "1"])
+        assert not attempt.ok
+        wait_protected(cluster, 10)
+        for node in (1, 2):
+            cluster.lose_node(node)
+        for node in (1, 2):
+            cluster.start_smp(node)
+        attempt = cluster.run(EXAMPLE, timeout_s=120)
+        assert not attempt.ok and attempt.seconds < 120
+        log = cluster.rank_log(attempt.number, attempt.first_failure)
+        assert "SnapshotLost" in log and "restore the job from the next tier (disk)" in log
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("m,lost", [(m, lost) for m in (1, 2) for n in range(1, m + 1)
                                     for lost in itertools.combinations(range(NODES), n)])
 def test_every_loss_resumes_like_the_uninterrupted_run(job, runtime, reference, m, lost):

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..ec.stripes import DATA, StripeLayout, rebuild, stripe_parity
-from ..errors import InmemFTError, SnapshotCorrupt
+from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
 from ..snapshot import segment as seg
 from . import nodedata, paritystore
 from .groups import Groups
@@ -33,10 +33,6 @@ from .transport import PeerClient, PeerServer, PeerUnavailable, TokenBucket
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
 BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finish a step's parity
-
-
-class SnapshotLost(InmemFTError):
-    """More nodes of an EC group were lost than its parity tolerates."""
 
 
 class Protector:
@@ -99,8 +95,11 @@ class Protector:
     def status(self) -> dict:
         return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
                 "parity_steps": {s: ps.state for s, ps in sorted(self.sets.items())}, "ec_lag_s": self.lag_s,
-                "parity_bytes": sum(ps.segment.size for ps in self.sets.values()),
+                "parity_bytes": self.parity_bytes(),
                 "rebuild": "running" if not self.rebuild_done.is_set() else (self.rebuild_error or "ok")}
+
+    def parity_bytes(self) -> int:
+        return sum(ps.segment.size for ps in self.sets.values())
 
     # ---- protecting ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -131,6 +130,12 @@ class Protector:
         with self.smp.lock:
             if step in self.sets:
                 self.sets.pop(step).drop()
+            need = paritystore.RECORD + self.groups.m * cs
+            if self.smp.used_bytes() + need > self.smp.budget:
+                raise InmemFTError(
+                    f"node {self.node} memory budget cannot hold {need / 2**20:.1f} MiB of parity for step {step} "
+                    f"beside its slots ({self.smp.used_bytes() / 2**20:.1f} of {self.smp.budget / 2**20:.1f} MiB "
+                    f"in use); raise --memory-budget by twice that (old and new parity overlap while encoding)")
             ps = self.sets[step] = ParitySet.create(self.smp.prefix, step, self.groups.m, cs, group)
         k = self.layout.k
         bufs = [np.empty(min(PIECE, cs), dtype=np.uint8) for _ in range(k)]

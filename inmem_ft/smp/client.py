@@ -4,10 +4,10 @@ from __future__ import annotations
 import socket
 import threading
 
-from ..errors import BudgetExceeded, InmemFTError, SMPUnavailable, SnapshotCorrupt
+from ..errors import BudgetExceeded, InmemFTError, SMPUnavailable, SnapshotCorrupt, SnapshotLost
 from . import protocol
 
-_ERRORS = {"budget": BudgetExceeded, "corrupt": SnapshotCorrupt}
+_ERRORS = {"budget": BudgetExceeded, "corrupt": SnapshotCorrupt, "lost": SnapshotLost}
 
 
 class SMPClient:

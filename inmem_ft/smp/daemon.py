@@ -28,6 +28,8 @@ SLOTS_PER_RANK = 2
 # How long a begin waits for the group to protect the complete step before it overwrites the older
 # protected one (keeping the complete step safe locally matters more than surviving a node loss).
 PROTECT_WAIT_S = 60.0
+# How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
+REBUILD_WAIT_S = 540.0
 
 
 class RequestError(Exception):
@@ -66,7 +68,8 @@ class SMP:
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
-        return sum(s.segment.size for slots in self.slots.values() for s in slots if s is not None)
+        parity = self.protector.parity_bytes() if self.protector is not None else 0
+        return parity + sum(s.segment.size for slots in self.slots.values() for s in slots if s is not None)
 
     def _allocate(self, rank: int, index: int, size: int) -> Slot:
         old = self.slots[rank][index]
@@ -211,7 +214,9 @@ class SMP:
         rank = int(msg["rank"])
         if self.protector is not None:
             # A replacement node answers once it has rebuilt its ranks' slots from the group.
-            self.cond.wait_for(self.protector.rebuild_done.is_set, PROTECT_WAIT_S)
+            if not self.cond.wait_for(self.protector.rebuild_done.is_set, REBUILD_WAIT_S):
+                raise RequestError("busy", f"node {self.node} is still rebuilding its snapshots from its EC group "
+                                           f"after {REBUILD_WAIT_S:.0f} s; see its log, then restart the job")
             if self.protector.rebuild_error:
                 raise RequestError("lost", self.protector.rebuild_error)
         out = []
