@@ -169,3 +169,21 @@ def test_bandwidth_cap_paces_bulk_bytes():
     for _ in range(30):
         bucket.take(1 << 20)  # 30 MiB at 20 MiB/s with a 1 s burst: about 0.5 s
     assert 0.35 < time.monotonic() - t0 < 2
+
+
+def test_resuming_from_an_older_step_discards_newer_parity(job, runtime):
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        write_step(cluster, 2)
+        wait_protected(cluster, 2)
+        for rank in range(cluster.world_size):  # the job resumed from step 1 (say step 2 was corrupt on a rank)
+            control.call(cluster.socket_path(cluster.node_of(rank)), "restored", rank=rank, step=1)
+        assert control.call(cluster.socket_path(0), "status")["ec"]["protected_step"] is None
+        write_step(cluster, 2, seed=7)  # step 2 again, other bytes: it must be protected anew
+        wait_protected(cluster, 2)
+        original = protected_bytes(cluster, 3)
+        replace(cluster, (3,))
+        assert protected_bytes(cluster, 3) == original
+    finally:
+        cluster.stop()

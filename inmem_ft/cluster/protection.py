@@ -28,7 +28,7 @@ from ..snapshot import segment as seg
 from . import nodedata, paritystore
 from .groups import Groups
 from .paritystore import BUILT, PROTECTED, ParitySet
-from .transport import PeerClient, PeerServer, PeerUnavailable, TokenBucket
+from .transport import MAX_PAYLOAD, PeerClient, PeerServer, PeerUnavailable, TokenBucket
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
@@ -92,6 +92,16 @@ class Protector:
             self.wanted = step
             self._wake.notify()
 
+    def restored(self, step: int | None) -> None:
+        """The job resumed from `step` (called under the SMP lock): parity of newer steps belongs to an
+        abandoned timeline, and the same step numbers will be written again with other bytes."""
+        for s in [s for s in self.sets if step is None or s > step]:
+            self.sets.pop(s).drop()
+            log.info("ec node=%d event=discard parity step=%d reason=job resumed from %s", self.node, s, step)
+        done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
+        self.protected = max(done) if done else None
+        self.failed = None
+
     def status(self) -> dict:
         return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
                 "parity_steps": {s: ps.state for s, ps in sorted(self.sets.items())}, "ec_lag_s": self.lag_s,
@@ -151,6 +161,9 @@ class Protector:
         ps.seal(BUILT)
         self._wait_group_built(step)
         with self.smp.lock:
+            if self.sets.get(step) is not ps:
+                raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
+                                   f"from an older step)")
             ps.seal(PROTECTED)
             self.protected = step
             self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
@@ -207,7 +220,10 @@ class Protector:
         if op == "describe":
             return {"length": self._node_data(int(header["step"])).length}, ()
         if op == "read":
-            return {}, self._node_data(int(header["step"])).pieces(int(header["off"]), int(header["len"]))
+            off, length = int(header["off"]), int(header["len"])
+            if off < 0 or not 0 <= length <= MAX_PAYLOAD:
+                raise InmemFTError(f"read of {length} bytes at {off} is out of range")
+            return {}, self._node_data(int(header["step"])).pieces(off, length)
         if op == "state":
             with self.smp.lock:
                 built = {str(s): ps.record for s, ps in self.sets.items() if ps.state in (BUILT, PROTECTED)}

@@ -255,6 +255,8 @@ class SMP:
                 log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
                          rank, committed, "scratch" if step is None else f"step {step}")
         self.complete_step = step
+        if self.protector is not None:
+            self.protector.restored(step)
         return {}
 
     def op_status(self, msg, conn_id):
