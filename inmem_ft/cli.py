@@ -8,6 +8,7 @@ import sys
 
 from . import units
 from .cluster import survival
+from .cluster.options import add_ec_arguments, options_from_args
 from .errors import InmemFTError
 from .smp import control, paths
 
@@ -25,7 +26,9 @@ def _socket(args) -> str:
 
 
 def cmd_smp_start(args) -> int:
-    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log)
+    ec = options_from_args(args)
+    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log,
+                         extra_args=ec.argv() if ec else ())
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}")
     return 0
 
@@ -45,6 +48,12 @@ def format_status(status: dict) -> str:
         for slot in rank["slots"]:
             lines.append(f"{rank['rank']:>6} {slot['slot']:>4} {slot['state']:<10} "
                          f"{'' if slot['step'] is None else slot['step']:>8} {units.human(slot['bytes']):>12}")
+    ec = status.get("ec")
+    if ec:
+        lag = "-" if ec["ec_lag_s"] is None else f"{ec['ec_lag_s']:.2f} s"
+        lines.append(f"erasure coding: group {ec['group']}, survives {ec['m']} lost node(s); newest protected "
+                     f"step {ec['protected_step']}; EC lag {lag}; parity {units.human(ec['parity_bytes'])}; "
+                     f"rebuild {ec['rebuild']}")
     return "\n".join(lines)
 
 
@@ -72,7 +81,7 @@ def cmd_launch(args) -> int:
     os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(work_dir, "run"))
     timeline = scenario.run(args.nodes, args.ranks_per_node, args.job, args.memory_budget, argv, failures,
                             work_dir, compare=not args.no_compare, heartbeat_timeout_s=args.heartbeat_timeout,
-                            max_restarts=args.max_restarts)
+                            max_restarts=args.max_restarts, parity=args.parity, group_size=args.group_size)
     print(timeline.format())
     print(scenario.verdict(timeline))
     scenario.write_json(timeline, os.path.join(work_dir, "timeline.json"))
@@ -93,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--memory-budget", required=True, type=units.parse_size,
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB")
     start.add_argument("--log", default=None, help="log file (default: beside the socket)")
+    add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")
     _node_args(stop)
@@ -109,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--ranks-per-node", type=int, default=2)
     launch.add_argument("--job", default="launch")
     launch.add_argument("--memory-budget", type=units.parse_size, default="2GiB", help="per node")
+    launch.add_argument("--parity", type=int, default=None, metavar="M",
+                        help="erasure-code the snapshots across nodes, surviving M lost nodes per group")
+    launch.add_argument("--group-size", type=int, default=None, metavar="G", help="nodes per EC group")
     launch.add_argument("--kill-rank", action="append", default=[], metavar="STEP:RANK",
                         help="kill -9 RANK once it reaches STEP (repeatable)")
     launch.add_argument("--kill-node", action="append", default=[], metavar="STEP:NODE",

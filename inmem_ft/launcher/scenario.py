@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from dataclasses import asdict
 
 from .. import telemetry
@@ -24,10 +25,14 @@ def reference_losses(nodes: int, ranks_per_node: int, job: str, budget: int, arg
 
 def run(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str], failures: list[Failure],
         work_dir: str, *, compare: bool = True, heartbeat_timeout_s: float = 60.0, max_restarts: int = 5,
-        env: dict | None = None) -> Timeline:
+        parity: int | None = None, group_size: int | None = None) -> Timeline:
+    """`parity` m turns erasure coding on: a lost node is rebuilt from its group's survivors."""
     os.makedirs(work_dir, exist_ok=True)
     reference = reference_losses(nodes, ranks_per_node, job, budget, argv, work_dir) if compare else None
-    cluster = SimulatedCluster(nodes, ranks_per_node, job, budget, os.path.join(work_dir, "logs"), env)
+    # A fresh per-job secret authenticates the simulated nodes' SMPs to each other.
+    env = {"INMEM_FT_SECRET": os.environ.get("INMEM_FT_SECRET") or secrets.token_hex(16)}
+    cluster = SimulatedCluster(nodes, ranks_per_node, job, budget, os.path.join(work_dir, "logs"), env,
+                               parity=parity, group_size=group_size)
     with cluster:
         timeline = Supervisor(cluster, argv, failures, heartbeat_timeout_s=heartbeat_timeout_s,
                               max_restarts=max_restarts, work_dir=work_dir).run()

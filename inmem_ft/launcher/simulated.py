@@ -68,7 +68,7 @@ class SimulatedCluster:
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
                                         os.path.join(self.log_dir, f"smp-node{node}.log"),
-                                        extra_args=self.ec.argv() if self.ec else ())
+                                        extra_args=self.ec.argv() if self.ec else (), env=self.env)
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):

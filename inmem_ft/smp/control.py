@@ -22,7 +22,8 @@ def ping(socket_path: str) -> dict | None:
 
 
 def start(job: str, node: int, memory_budget: int, socket_path: str | None = None,
-          log_path: str | None = None, wait_s: float = 30.0, extra_args: list[str] = ()) -> subprocess.Popen:
+          log_path: str | None = None, wait_s: float = 30.0, extra_args: list[str] = (),
+          env: dict | None = None) -> subprocess.Popen:
     """Start the daemon in its own session (it outlives the caller) and wait until it answers.
     `extra_args`: more daemon arguments, e.g. cluster.options.ECOptions.argv()."""
     socket_path = socket_path or paths.default_socket(job, node)
@@ -33,7 +34,8 @@ def start(job: str, node: int, memory_budget: int, socket_path: str | None = Non
     log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
     cmd = [sys.executable, "-m", "inmem_ft.smp", "--job", job, "--node", str(node), "--socket", socket_path,
            "--memory-budget", str(memory_budget), *extra_args]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                            env=env)
     log.close()
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
