@@ -100,12 +100,16 @@ class Snapshotter:
 
         Call it every step: it is also the rank's heartbeat for supervisors that watch for hangs.
         """
-        if self._heartbeat:
-            self._heartbeat.beat(step=step)
+        self.heartbeat(step=step)
         if not self.due(step):
             return False
         self.save(step, state_fn())
         return True
+
+    def heartbeat(self, **fields) -> None:
+        """Tell a supervisor watching for hangs that this rank is alive (no-op without one)."""
+        if self._heartbeat:
+            self._heartbeat.beat(**fields)
 
     def save(self, step: int, state) -> None:
         t0 = time.perf_counter()
