@@ -84,3 +84,93 @@ class SnapshotConfig:
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update(overrides)
         return cls.from_dict(merged)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class InmemFTBlock:
+    """The `"inmem_ft": {...}` block of a framework config (DeepSpeed JSON), shared by the trainer-side
+    adapter and, for its SMP-side keys (memory_budget, group_size, parity), by `inmem-ft smp start`."""
+
+    enabled: bool = True
+    interval: int = 100
+    """Snapshot every this many optimizer steps."""
+    job: str | None = None
+    """Job id; default $INMEM_FT_JOB, else 'default'."""
+    smp_socket: str | None = None
+    """Local SMP socket; default $INMEM_FT_SMP_SOCKET, else derived from job and node."""
+    memory_budget: int | str | None = None
+    """SMP-side: bytes of shared memory the node's SMP may hold (e.g. "8GiB")."""
+    group_size: int | None = None
+    """SMP-side: erasure-code group size k (data members per stripe)."""
+    parity: int = 0
+    """SMP-side: erasure-code parity m (node losses per group survived)."""
+    persist_dir: str | None = None
+    """Directory for the disk tier (stock DeepSpeed layout); None = no disk tier."""
+    persist_every: int | None = None
+    """Flush every K-th snapshot to persist_dir; 0/None = no disk tier."""
+    on_error: str = "warn"
+    staging_budget: int | str | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        def bad(key, msg):
+            raise ConfigError(f"inmem_ft config: '{key}' = {getattr(self, key)!r}: {msg}")
+
+        if not isinstance(self.enabled, bool):
+            bad("enabled", "must be true or false")
+        if self.job is not None:
+            try:
+                paths.check_job(self.job)
+            except ValueError as e:
+                bad("job", str(e))
+        if self.smp_socket is not None and (not isinstance(self.smp_socket, str) or not self.smp_socket):
+            bad("smp_socket", "must be a path")
+        if self.memory_budget is not None:
+            try:
+                object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+            except ValueError as e:
+                bad("memory_budget", str(e))
+        if self.group_size is not None and (not _is_int(self.group_size) or self.group_size < 1):
+            bad("group_size", "must be an integer >= 1 (nodes per erasure-code group)")
+        if not _is_int(self.parity) or self.parity < 0:
+            bad("parity", "must be an integer >= 0")
+        if self.parity and self.group_size is None:
+            bad("parity", "needs 'group_size' (the k of k+m erasure coding)")
+        if self.persist_every is not None and (not _is_int(self.persist_every) or self.persist_every < 0):
+            bad("persist_every", "must be an integer >= 0 (0 or null: no disk tier)")
+        if self.persist_dir is not None and (not isinstance(self.persist_dir, str) or not self.persist_dir):
+            bad("persist_dir", "must be a directory path")
+        if self.persist_every and not self.persist_dir:
+            bad("persist_every", "needs 'persist_dir'")
+        self.snapshot_config()  # interval, on_error, staging_budget, timeout_s: checked where they live
+
+    @property
+    def persist(self) -> bool:
+        return bool(self.persist_dir and self.persist_every)
+
+    def snapshot_config(self, **env_overrides) -> SnapshotConfig:
+        """The trainer-side SnapshotConfig: this block's values over what the launch scripts export."""
+        mine = {"interval": self.interval, "on_error": self.on_error, "timeout_s": self.timeout_s,
+                "staging_budget": self.staging_budget, "job": self.job, "smp_socket": self.smp_socket}
+        return SnapshotConfig.from_env(**{k: v for k, v in mine.items() if v is not None}, **env_overrides)
+
+    @classmethod
+    def from_dict(cls, values, where: str = "inmem_ft") -> "InmemFTBlock":
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: must be a JSON object, got {type(values).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_framework_config(cls, config: dict, key: str = "inmem_ft") -> "InmemFTBlock | None":
+        """The block under `key` of a whole (DeepSpeed) config dict, or None if there is none."""
+        if key not in config:
+            return None
+        return cls.from_dict(config[key], where=key)

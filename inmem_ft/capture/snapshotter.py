@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..config import SnapshotConfig
 from ..errors import BudgetExceeded, InmemFTError, LayoutMismatch, SnapshotCorrupt
 from ..smp.client import SMPClient
-from ..smp.segments import Segment
+from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.tree import flatten
 from ..telemetry import Heartbeat
@@ -39,6 +39,8 @@ class Metrics:
     last_commit_s: float = 0.0
     last_bytes: int = 0
     stalls_s: list[float] = field(default_factory=list)
+    flushes: int = 0
+    last_flush_s: float = 0.0
 
 
 @dataclass
@@ -47,6 +49,8 @@ class RestoreInfo:
     source: str
     seconds: float
     bytes: int
+    path: str | None = None
+    """A file that holds the restored snapshot (its shared-memory slot), for loaders that want a path."""
 
 
 class _Attached:
@@ -65,7 +69,10 @@ class _Attached:
 class Snapshotter:
     """Per-rank handle on the node's SMP. Create it on every rank after init_process_group."""
 
-    def __init__(self, config: SnapshotConfig | None = None, *, dp_group=None):
+    def __init__(self, config: SnapshotConfig | None = None, *, dp_group=None, disk=None):
+        """disk: optional persistent tier (inmem_ft.persist.DiskTier or alike: due(step), write(step,
+        state), publish(step)); complete snapshots it marks due are flushed from the commit thread."""
+        self.disk = disk
         self.config = config or SnapshotConfig.from_env()
         self._agree = Agreement(self.config.timeout_s)
         self.rank, self.world_size = self._agree.rank, self._agree.world_size
@@ -93,12 +100,16 @@ class Snapshotter:
 
         Call it every step: it is also the rank's heartbeat for supervisors that watch for hangs.
         """
-        if self._heartbeat:
-            self._heartbeat.beat(step=step)
+        self.heartbeat(step=step)
         if not self.due(step):
             return False
         self.save(step, state_fn())
         return True
+
+    def heartbeat(self, **fields) -> None:
+        """Tell a supervisor watching for hangs that this rank is alive (no-op without one)."""
+        if self._heartbeat:
+            self._heartbeat.beat(**fields)
 
     def save(self, step: int, state) -> None:
         t0 = time.perf_counter()
@@ -152,6 +163,8 @@ class Snapshotter:
             except InmemFTError as e:
                 error = e
         self.metrics.last_commit_s = time.perf_counter() - t0
+        if error is None and agreed == step and self.disk is not None and self.disk.due(step):
+            self._flush(step, target, reply["data_off"], plan)
         if error is not None:
             self.metrics.failures += 1
             log.error("snapshot rank=%d step=%d event=failed: %s", self.rank, step, error)
@@ -160,6 +173,38 @@ class Snapshotter:
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  plan.data_len)
+
+    def _flush(self, step: int, target: "_Attached", data_off: int, plan) -> None:
+        """Write a complete step to the disk tier: read this rank's committed slot back (the live tensors have
+        moved on), gather the replicated region, let the tier write; once every rank wrote, rank 0 publishes."""
+        t0 = time.perf_counter()
+        manifest = plan.manifest
+        data = target.bytes[data_off: data_off + plan.data_len]
+        replicated = self._gather_replicated(manifest, data)  # collective: outside the try, all ranks join
+        ok = True
+        try:
+            self.disk.write(step, layout.unpack(manifest, data, replicated))
+        except Exception as e:  # a full disk or a bad path must not take training down
+            ok = False
+            log.error("persist rank=%d step=%d event=failed: %s: %s", self.rank, step, type(e).__name__, e)
+        everyone = self._agree.min(step if ok else NO_STEP)
+        if everyone == step and self.rank == 0:
+            try:
+                self.disk.publish(step)
+            except OSError as e:
+                everyone = NO_STEP
+                log.error("persist rank=%d step=%d event=failed: latest not written: %s", self.rank, step, e)
+        self.metrics.last_flush_s = time.perf_counter() - t0
+        if everyone == step:
+            self.metrics.flushes += 1
+            log.info("persist rank=%d step=%d event=flushed seconds=%.3f", self.rank, step,
+                     self.metrics.last_flush_s)
+        elif self.config.on_error == "raise":
+            raise InmemFTError(f"step {step} could not be flushed to the disk tier (see the persist errors)")
+
+    def agree_min(self, value: int) -> int:
+        """Collective over the whole job: the smallest `value` of all ranks (for restart decisions)."""
+        return self._agree.min(value)
 
     def wait(self) -> None:
         """Block until the last snapshot is committed (or failed)."""
@@ -213,7 +258,8 @@ class Snapshotter:
         state = layout.unpack(manifest, data, replicated)
         self._smp.call("restored", rank=self.rank, step=step)
         self._complete = step
-        self.last_restore = RestoreInfo(step, "memory", time.perf_counter() - t0, header.data_len)
+        self.last_restore = RestoreInfo(step, "memory", time.perf_counter() - t0, header.data_len,
+                                        path_of(attached.segment.name))
         log.info("restore rank=%d step=%d source=memory seconds=%.3f bytes=%d", self.rank, step,
                  self.last_restore.seconds, header.data_len)
         if self._heartbeat:
@@ -266,3 +312,4 @@ class Snapshotter:
 
     def __exit__(self, *exc):
         self.close()
+

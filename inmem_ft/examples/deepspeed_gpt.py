@@ -1,0 +1,201 @@
+"""A small GPT trained with DeepSpeed (ZeRO 0-3, fp32/bf16) and protected by inmem_ft.
+
+The only inmem_ft lines a DeepSpeed script needs are the `"inmem_ft"` block in its JSON config and
+`handle = install(engine, extra_state=...)` after deepspeed.initialize; the rest is an ordinary loop.
+Run one process per rank with the torchrun variables set (torchrun, `inmem-ft launch`, SimulatedCluster)
+and an SMP per node. Deterministic on CPU: a resumed run reproduces the uninterrupted losses bit for bit.
+"""
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import signal
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import inmem_ft
+
+VOCAB, SEQ, MICRO_BATCH = 64, 32, 4
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.drop, self.heads = nn.Dropout(dropout), heads
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        att = self.drop(att.masked_fill(mask, float("-inf")).softmax(-1))
+        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers=2, d=64, heads=4, dropout=0.1):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+
+
+class TokenStream:
+    """Arithmetic token sequences (start, stride) with a little noise: learnable, so the loss falls.
+
+    Batch `position` of rank `rank` is a pure function of (seed, rank, position); the position is the
+    data state a resume must bring back. The noise draws on Python's and numpy's global RNGs on purpose:
+    their states are part of what inmem_ft carries per rank.
+    """
+
+    def __init__(self, seed: int, rank: int):
+        self.seed, self.rank, self.position = seed, rank, 0
+
+    def next(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 10_007 + self.position)
+        self.position += 1
+        start = torch.randint(0, VOCAB, (MICRO_BATCH, 1), generator=g)
+        stride = torch.randint(1, 4, (MICRO_BATCH, 1), generator=g)
+        seq = (start + stride * torch.arange(SEQ + 1)) % VOCAB
+        if random.random() < 0.5:  # python RNG
+            seq[0, int(np.random.randint(1, SEQ))] = int(np.random.randint(VOCAB))  # numpy RNG
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def state_digest(engine) -> str:
+    """A hash of every tensor this rank holds in the module and the optimizer, plus the counters."""
+    h = hashlib.sha256()
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            h.update(str(obj.dtype).encode())
+            h.update(obj.detach().float().contiguous().numpy().tobytes())
+        elif isinstance(obj, dict):
+            for k in obj:
+                walk(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(engine.module.state_dict())
+    walk(engine.optimizer.state_dict())
+    h.update(json.dumps([engine.global_steps, engine.global_samples,
+                         engine.lr_scheduler.state_dict() if engine.lr_scheduler else None]).encode())
+    return h.hexdigest()
+
+
+def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_every=None) -> dict:
+    conf = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
+                                                      "warmup_num_steps": 10}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "inmem_ft": {"enabled": True, "interval": interval},
+    }
+    if dtype == "bf16":
+        conf["bf16"] = {"enabled": True}
+    if persist_dir:
+        conf["inmem_ft"].update(persist_dir=persist_dir, persist_every=persist_every or 1)
+    return conf
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", help="DeepSpeed JSON (e.g. configs/deepspeed_zero2.json); default: built in")
+    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--persist-dir", default=None)
+    p.add_argument("--persist-every", type=int, default=None)
+    p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
+    p.add_argument("--load-dir", default=None, help="with --no-inmem: stock load_checkpoint from here first")
+    p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
+                                                      "PATH.rank<r>")
+    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
+    p.add_argument("--die-at", type=int, default=None,
+                   help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
+    p.add_argument("--die-rank", type=int, default=0)
+    args = p.parse_args()
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
+
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("inmem_ft").setLevel(logging.INFO)
+    torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
+    import deepspeed
+    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+
+    disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = deepspeed.comm.get_rank()
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+        config.setdefault("inmem_ft", {})["interval"] = args.interval
+    else:
+        config = ds_config(args.zero_stage, args.dtype, args.interval, args.persist_dir, args.persist_every)
+    if args.no_inmem:
+        config.pop("inmem_ft", None)
+
+    torch.manual_seed(0)
+    model = GPT(args.layers, args.hidden)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    seed = 1234 + 17 * rank  # per-rank dropout masks and noise
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    stream = TokenStream(1234, rank)
+
+    # The one inmem_ft line: snapshots every `interval` steps, restore of the newest tier on start.
+    handle = install(engine, extra_state=lambda: {"position": stream.position})
+    start = 0
+    if handle is not None and handle.restored is not None:
+        stream.position, start = handle.restored.extras["position"], handle.restored.step
+    elif args.load_dir:  # plain DeepSpeed resume from the disk tier's directory (no inmem_ft involved)
+        path, _ = engine.load_checkpoint(args.load_dir)
+        assert path is not None, f"nothing to load in {args.load_dir}"
+        start = engine.global_steps
+        stream.position = start
+
+    if args.dump_state:
+        with open(f"{args.dump_state}.rank{rank}", "w") as f:
+            f.write(json.dumps({"step": start, "digest": state_digest(engine)}))
+    for step in range(start + 1, args.steps + 1):
+        x, y = stream.next()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()  # inmem_ft snapshots here every `interval` steps
+        mean = loss.detach().float().clone()
+        deepspeed.comm.all_reduce(mean)
+        inmem_ft.report_loss(step, mean.item() / deepspeed.comm.get_world_size(), args.loss_log)
+        if step == args.die_at and rank == args.die_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+    if handle is not None:
+        handle.close()
+    deepspeed.comm.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Thin adapters from training frameworks to inmem_ft's layers; each imports its framework lazily."""

@@ -1,0 +1,223 @@
+"""install(engine): snapshots every `interval` steps into the node's SMP, restore on start from the newest
+tier (memory, else disk), and a disk tier in the stock DeepSpeed layout. Translation only: the protocol
+(copy, commit, agreement, replication, flush) lives in inmem_ft.capture and inmem_ft.persist."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...capture import Snapshotter, capture_rng_state, restore_rng_state
+from ...config import InmemFTBlock
+from ...errors import ConfigError
+from ...persist.tier import DiskTier
+from ...smp import paths
+from ...snapshot import Replicated
+from . import stock, types
+from .engine import MODEL_STATES, InMemCheckpointEngine
+
+log = logging.getLogger("inmem_ft.deepspeed")
+
+
+@dataclass
+class Restored:
+    step: int
+    tier: str  # "memory" | "disk"
+    seconds: float
+    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
+    tag: str
+
+
+class Handle:
+    def __init__(self, engine, block: InmemFTBlock, extra_state: Callable[[], Any] | None = None):
+        types.register()
+        self.engine, self.block, self.extra_state = engine, block, extra_state
+        config = block.snapshot_config()
+        self.zero3 = bool(engine.zero_optimization_partition_weights())
+        dp_group = engine.seq_data_parallel_group
+        tier = DiskTier(block.persist_dir, block.persist_every, config.interval, self._write_disk,
+                        stock.tag_of) if block.persist else None
+        self.snap = Snapshotter(config, dp_group=dp_group, disk=tier)
+        self.rank, self.dp_rank, self.dp_size = self.snap.rank, self.snap.dp_rank, self.snap.dp_size
+        self._check_smp()
+        self.scratch = os.path.join(paths.job_dir(config.job), "deepspeed-scratch")
+        os.makedirs(self.scratch, exist_ok=True)
+        self.ckpt = InMemCheckpointEngine(self._commit)
+        self._stock_ckpt = engine.checkpoint_engine
+        engine.checkpoint_engine = self.ckpt
+        if not self.zero3:
+            # ZeRO-0/1/2 build the model-states dict on every rank but hand it to the engine on DP rank 0
+            # only; every replica hands it over here and stores 1/DP of it (Replicated), so restore gathers
+            # it back on every rank without reading a peer's memory.
+            engine.save_non_zero_checkpoint = True
+        self._wrap(engine)
+        self.restored: Restored | None = self._restore()
+
+    # ---- setup --------------------------------------------------------------------------------------------
+    def _check_smp(self) -> None:
+        if self.block.memory_budget is None:
+            return
+        budget = self.snap._smp.call("status").get("budget")
+        if budget is not None and budget != self.block.memory_budget:
+            log.warning("inmem_ft: memory_budget in the config is %d bytes, the node's SMP runs with %d; the SMP's "
+                        "value applies (start it from the same config block)", self.block.memory_budget, budget)
+
+    def _wrap(self, engine) -> None:
+        step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
+
+        @functools.wraps(step)
+        def wrapped_step(*a, **kw):
+            before = engine.global_steps
+            out = step(*a, **kw)
+            now = engine.global_steps
+            self.snap.heartbeat(step=now)
+            if now != before and self.snap.due(now):  # an optimizer step (gradient-accumulation boundary)
+                self.snapshot()
+            return out
+
+        @functools.wraps(save)
+        def wrapped_save(save_dir, tag=None, client_state={}, save_latest=True, **kw):
+            # The bytes go to the SMP, so a `latest` file in save_dir would point at a directory that does
+            # not exist on disk; the disk tier writes `latest` itself once a step is really there.
+            return save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
+
+        @functools.wraps(load)
+        def wrapped_load(load_dir, tag=None, *a, **kw):
+            restored = self.restored
+            if restored is not None and restored.tier == "memory" and tag == restored.tag and self._memory:
+                return self._load_memory(*self._memory, *a, **kw)
+            return load(load_dir, tag, *a, **kw)
+
+        engine.step, engine.save_checkpoint, engine.load_checkpoint = wrapped_step, wrapped_save, wrapped_load
+        self._load = load
+        self._memory = None
+
+    # ---- saving -------------------------------------------------------------------------------------------
+    def _replicated(self, name: str) -> bool:
+        return not self.zero3 and name.startswith("mp_rank_") and name.endswith(MODEL_STATES)
+
+    def _commit(self, info, files: dict) -> None:
+        """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
+        step = int(self.engine.global_steps)
+        state = {"tag": str(info.tag), "step": step,
+                 "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
+                 "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
+        self.snap.save(step, state)
+
+    def snapshot(self) -> None:
+        """Take a snapshot now (collective); returns after the blocking copy, the commit runs behind."""
+        self.engine.save_checkpoint(self.scratch, tag=stock.tag_of(int(self.engine.global_steps)))
+
+    def wait(self) -> None:
+        """Until the last snapshot (and its disk flush, if due) is committed."""
+        self.snap.wait()
+
+    def _write_disk(self, step: int, state: dict) -> None:
+        # Commit thread, after the step is complete on every rank. Model states of ZeRO-0/1/2 are written by
+        # DP rank 0 only, as stock does; everything else is per rank.
+        stock.write_files(self.block.persist_dir, step, state, rank=self.rank,
+                          writes=lambda name: self.dp_rank == 0 or not self._replicated(name))
+
+    # ---- restoring ----------------------------------------------------------------------------------------
+    def _disk_step(self) -> int:
+        if not self.block.persist:
+            return -1
+        step = stock.step_of(self.snap.disk.latest())
+        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step),
+                                                                     self.rank)):
+            step = -1
+        low, high = self.snap.agree_min(step), -self.snap.agree_min(-step)
+        if low != high:
+            log.warning("restore rank=%d event=disk_disagrees: ranks see latest steps %d..%d on disk; not using it",
+                        self.rank, low, high)
+            return -1
+        return low
+
+    def _restore(self) -> Restored | None:
+        """Collective: load the newest step complete in some tier; every rank loads the same one."""
+        t0 = time.perf_counter()
+        state = self.snap.restore()
+        mem_step = state["step"] if state is not None else -1
+        disk_step = self._disk_step()
+        if mem_step >= 0 and mem_step >= disk_step:
+            return self._finish(self._load_memory(state), t0)
+        if disk_step >= 0:
+            return self._finish(self._load_disk(disk_step), t0)
+        log.info("restore rank=%d step=none source=none: starting from scratch", self.rank)
+        return None
+
+    def _finish(self, restored: Restored, t0: float) -> Restored:
+        restored.seconds = time.perf_counter() - t0
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.rank, restored.step, restored.tier,
+                 restored.seconds)
+        return restored
+
+    def restore_from_memory(self) -> Restored | None:
+        """Collective: load the newest complete snapshot from memory (None if there is none)."""
+        t0 = time.perf_counter()
+        state = self.snap.restore()
+        return self._finish(self._load_memory(state), t0) if state is not None else None
+
+    def _load_memory(self, state: dict, *a, **kw) -> Restored:
+        tag, anchor = state["tag"], self.snap.last_restore.path
+        self._memory = (state,)
+        self.ckpt.serve(tag, state["files"], anchor)
+        # load_checkpoint globs <dir>/<tag>/mp_rank_*_model_states.pt and SDLoaderBase.load asserts
+        # os.path.exists on the result before calling our engine.load. Instead of faking files, DeepSpeed gets
+        # a path that exists and names this very snapshot: the shared-memory slot it was restored from
+        # (/dev/shm/...). Our load() maps it to the model-states dict; the optimizer files DeepSpeed names
+        # itself under <dir>/<tag>/ and only probes with os.path.exists, which a missing file passes.
+        self.engine._get_all_ckpt_names = lambda _dir, _tag: [anchor] * self.engine.mp_world_size
+        try:
+            path, _ = self._load(self.scratch, tag, *a, **kw)
+        finally:
+            del self.engine._get_all_ckpt_names
+            self.ckpt.serve(None)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
+        restore_rng_state(state["rank"]["rng"])
+        return Restored(state["step"], "memory", 0.0, state["rank"]["extras"], tag)
+
+    def _load_disk(self, step: int) -> Restored:
+        tag = stock.tag_of(step)
+        path, _ = self._load(self.block.persist_dir, tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed did not load {tag} from {self.block.persist_dir}")
+        rank_state = stock.read_rank_state(self.block.persist_dir, tag, self.rank)
+        restore_rng_state(rank_state["rng"])
+        return Restored(step, "disk", 0.0, rank_state["extras"], tag)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def tier_info(self) -> dict:
+        r = self.snap.last_restore
+        return {"restored": vars(self.restored) if self.restored else None,
+                "memory": vars(r) if r else None, "metrics": vars(self.snap.metrics)}
+
+    def close(self) -> None:
+        """Wait for the last commit (and flush), then let go of the SMP."""
+        self.snap.close()
+
+
+def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None):
+    """Protect a DeepSpeed engine with inmem_ft, per the `"inmem_ft"` block of its config (or `config`).
+
+    Call it right after deepspeed.initialize, on every rank. It restores the newest snapshot (memory, else
+    disk) into the engine and returns a Handle, whose `restored` says what was loaded (None: fresh start);
+    None if the block is absent or disabled.
+    """
+    if isinstance(config, InmemFTBlock):
+        block = config
+    elif config is not None:
+        block = InmemFTBlock.from_dict(config)
+    else:
+        block = InmemFTBlock.from_framework_config(engine._config._param_dict)
+    if block is None or not block.enabled:
+        return None
+    if engine.zero_optimization_partition_weights() and engine.global_steps:
+        raise ConfigError("inmem_ft: install() on a ZeRO-3 engine that already trained; call it right after "
+                          "deepspeed.initialize (DeepSpeed cannot load into a trained ZeRO-3 engine)")
+    return Handle(engine, block, extra_state)
