@@ -1,0 +1,566 @@
+"""DeepSpeed checkpoint stall: inmem_ft's engine vs DeepSpeed's own engines vs DCP async_save, side by side.
+
+    python benchmarks/deepspeed_save.py --quick --json out/ds.json [--plot out/ds.png]
+
+A ~100M-parameter fp32 model (6 x (2048x4096 + 4096x2048) Linear) trained with AdamW by DeepSpeed on 2
+ranks (gloo, CPU, DS_ACCELERATOR=cpu), ZeRO-1 and ZeRO-3 in the same run. Per stage, on the same state:
+  inmem_blocking_s          handle.snapshot() of inmem_ft.integrations.deepspeed (returns after the copy)
+  torch_engine_s            engine.save_checkpoint(local_dir) with DeepSpeed's default TorchCheckpointEngine
+  fast_python_s             FastCheckpointEngine with the "python" writer (the "fast" writer needs libaio)
+  decoupled_blocking_s      DecoupledCheckpointEngine ("python" writer): save_checkpoint wall time plus the
+                            extra time of the next engine.step(), which waits there for the writer process
+  dcp_async_save_s          torch.distributed.checkpoint.async_save of the very dicts DeepSpeed saves
+                            (captured through a recording engine; the capture is included)
+  restore_s / disk_load_s   in a fresh process and engine: inmem_ft's restore vs engine.load_checkpoint
+  step_overhead_interval1/10  mean step time with automatic snapshots every 1 / 10 steps over a window of
+                            steps, divided by the same without snapshots
+Medians over the repeats; every figure is the slowest rank's. Local disk = the page cache (no fsync).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STAGES = (1, 3)
+MICRO_BATCH = 4
+INMEM_KEYS = ("inmem_blocking_s", "inmem_commit_s", "restore_s", "step_overhead_interval1",
+              "step_overhead_interval10")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side (one rank process)
+# ---------------------------------------------------------------------------------------------------------
+
+def ds_config(stage: int, interval: int, writer: dict | None = None) -> dict:
+    conf = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        # torch_adam: DeepSpeed's FusedAdam would JIT-compile a C++ op on CPU.
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "inmem_ft": {"enabled": True, "interval": interval},
+    }
+    if writer is not None:
+        conf["checkpoint"] = {"writer": writer}
+    return conf
+
+
+def build_engine(args, interval: int):
+    import torch
+    import deepspeed
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(*[
+                torch.nn.Sequential(torch.nn.Linear(args.hidden, 2 * args.hidden),
+                                    torch.nn.Linear(2 * args.hidden, args.hidden)) for _ in range(args.layers)])
+
+        def forward(self, x):
+            return self.net(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(args.stage, interval))
+    return engine
+
+
+def setup_worker():
+    import torch
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+    # Not needed for training, and a cold JIT build costs 70-120 s (docs/deepspeed-checkpoint-flow.md, 8).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # DeepSpeed's data-parallel writer config (Fast/Decoupled engines) reads the launcher's node variables.
+    os.environ.setdefault("CROSS_RANK", os.environ.get("GROUP_RANK", "0"))
+    os.environ.setdefault("CROSS_SIZE", "1")
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def slowest(value):
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = float(t.item())
+    return None if v != v else v
+
+
+def train_step(engine, x) -> float:
+    t0 = time.perf_counter()
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def load_adapter():
+    """The adapter module, or (None, reason)."""
+    try:
+        from inmem_ft.integrations import deepspeed as adapter
+        adapter.install  # noqa: B018
+        return adapter, None
+    except Exception as e:  # not there yet, or broken: the inmem columns stay empty, with the reason
+        return None, f"inmem_ft.integrations.deepspeed unavailable: {type(e).__name__}: {e}"
+
+
+class CaptureEngine:
+    """A CheckpointEngine that keeps what DeepSpeed hands to save(), by file name, without copying."""
+
+    def __new__(cls):
+        from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+        class _Capture(CheckpointEngine):
+            def __init__(self):
+                super().__init__(None)
+                self.name, self.files = "capture", {}
+
+            def create(self, info):
+                pass
+
+            def makedirs(self, path, exist_ok=False):
+                os.makedirs(path, exist_ok=True)
+
+            def save(self, state_dict, path):
+                self.files[os.path.basename(path)] = state_dict
+
+            def load(self, path, map_location=None):
+                raise NotImplementedError
+
+            def commit(self, info):
+                return True
+
+        return _Capture()
+
+
+def swapped_engine(engine, writer: dict):
+    """DeepSpeed's own factory, fed the engine's config with a `checkpoint.writer` block."""
+    import copy
+    from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+    from deepspeed.runtime.model_checkpointing.config import get_checkpoint_writer_config
+    from deepspeed.utils import groups
+    cfg = copy.copy(engine._config)
+    cfg.checkpoint_config = dict(engine._config.checkpoint_config,
+                                 writer=get_checkpoint_writer_config({"writer": writer}))
+    return create_checkpoint_engine(config_params=cfg, groups=groups, zero_stage=engine.zero_optimization_stage(),
+                                    has_moe_layers=False,
+                                    optimize_dp_state=not engine.zero_optimization_partition_weights())
+
+
+def repeat_saves(args, engine, ce, x, key, disk, rank, step_med, times, walls, nexts):
+    import torch.distributed as dist
+    for i in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(os.path.join(disk, key), tag=f"r{i}")
+        wall = time.perf_counter() - t0
+        extra = 0.0
+        if ce.is_decoupled():
+            nxt = train_step(engine, x)  # commits (waits for the writer process) before the optimizer step
+            nexts.append(nxt)
+            extra = max(0.0, nxt - step_med)
+        walls.append(wall)
+        times.append(wall + extra)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(disk, key, f"r{i}"), ignore_errors=True)
+
+
+def phase_save(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    engine = build_engine(args, interval=1)
+    rank = dist.get_rank()
+    x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(rank))
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    res = {"params": params, "stage": args.stage, "ranks": dist.get_world_size(), "skipped": {}}
+    disk = os.path.join(args.disk_dir, f"zero{args.stage}")
+
+    for _ in range(args.warmup):
+        train_step(engine, x)
+    base = [train_step(engine, x) for _ in range(args.base_steps)]
+    res["step_s"] = slowest(statistics.median(base))
+    step_med = statistics.median(base)
+
+    # -- DeepSpeed's default engine (torch.save to local disk) --------------------------------------------
+    times = []
+    for i in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(os.path.join(disk, "torch"), tag=f"r{i}")
+        times.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0 and i > 0:
+            shutil.rmtree(os.path.join(disk, "torch", f"r{i - 1}"))
+    res["torch_engine_s"] = slowest(statistics.median(times))
+    res["torch_engine_tag"] = f"r{args.repeats - 1}"
+    if rank == 0:
+        res["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(dp, f))
+                                      for dp, _, fs in os.walk(os.path.join(disk, "torch", res["torch_engine_tag"]))
+                                      for f in fs)
+    torch_ckpt_engine = engine.checkpoint_engine
+
+    # -- FastCheckpointEngine: "fast" writer needs libaio (AsyncIOBuilder); "python" writer runs on CPU ----
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        res["skipped"]["fast_aio_s"] = "FastCheckpointEngine 'fast' writer: AsyncIOBuilder incompatible (no libaio)"
+    # "data_parallel": "replica": with the default (None), DeepSpeed 0.19.8 raises for ZeRO-1/2 without an mpu
+    # (data_parallel_writer_factory.py:95 reads UniversalParallelInfo.dp_rank, which does not exist).
+    for key, writer in [("fast_python_s", {"type": "python", "data_parallel": "replica"}),
+                        ("decoupled_blocking_s", {"type": "python", "decoupled": True, "data_parallel": "replica"})]:
+        try:
+            ce = swapped_engine(engine, writer)
+        except Exception as e:
+            res["skipped"][key] = f"{type(e).__name__}: {e}"
+            slowest(None)
+            continue
+        engine.checkpoint_engine = ce
+        times, walls, nexts = [], [], []
+        try:
+            repeat_saves(args, engine, ce, x, key, disk, rank, step_med, times, walls, nexts)
+        except Exception as e:  # e.g. the decoupled engine under ZeRO-1 (requires_grad tensors on its queue)
+            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            times = []
+        dist.barrier()
+        if not times:
+            slowest(None)
+            if ce.is_decoupled():
+                ce.cleanup()
+            engine.checkpoint_engine = torch_ckpt_engine
+            continue
+        res[key] = slowest(statistics.median(times))
+        if ce.is_decoupled():
+            res["decoupled_save_call_s"] = slowest(statistics.median(walls))
+            res["decoupled_next_step_s"] = slowest(statistics.median(nexts))
+            ce.cleanup()
+        engine.checkpoint_engine = torch_ckpt_engine
+    dist.barrier()
+    # -- DCP async_save of the same dicts ------------------------------------------------------------------
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's background thread must not share the training group
+    times, captures, commits = [], [], []
+    for i in range(args.repeats):
+        cap = CaptureEngine()
+        engine.checkpoint_engine = cap
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(os.path.join(disk, "dcp_scratch"), tag=f"r{i}", save_latest=False)
+        t1 = time.perf_counter()
+        fut = dcp.async_save(cap.files, checkpoint_id=os.path.join(disk, "dcp", f"r{i}"), process_group=dcp_pg)
+        t2 = time.perf_counter()
+        (fut.result() if hasattr(fut, "result") else fut.upload_completion.result())
+        commits.append(time.perf_counter() - t0)
+        engine.checkpoint_engine = torch_ckpt_engine
+        times.append(t2 - t0)
+        captures.append(t1 - t0)
+        del cap, fut
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(disk, "dcp", f"r{i}"), ignore_errors=True)
+    res["dcp_async_save_s"] = slowest(statistics.median(times))
+    res["dcp_capture_s"] = slowest(statistics.median(captures))
+    res["dcp_commit_s"] = slowest(statistics.median(commits))
+    gc.collect()
+
+    return res
+
+
+def set_interval(handle, n: int) -> None:
+    """Change the automatic snapshot interval on a live handle (adapted to what the adapter exposes)."""
+    import dataclasses
+    snap = getattr(handle, "snap", None)
+    if snap is not None and dataclasses.is_dataclass(getattr(snap, "config", None)):
+        snap.config = dataclasses.replace(snap.config, interval=n)  # what Snapshotter.due() reads
+        return
+    raise AttributeError("the adapter handle exposes no interval to change")
+
+
+def phase_inmem(args) -> dict:
+    """inmem_ft on a fresh engine: install() right after deepspeed.initialize, as users do."""
+    out = {"skipped": {}}
+    adapter, why = load_adapter()
+    if adapter is None:
+        out["skipped"]["inmem"] = why
+        return out
+    try:
+        out.update(measure_inmem(args, adapter))
+    except Exception as e:
+        out["skipped"]["inmem"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    return out
+
+
+def measure_inmem(args, adapter) -> dict:
+    import torch
+    import torch.distributed as dist
+    out = {}
+    set_interval_ok = True
+    engine = build_engine(args, interval=10**9)
+    x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    handle = adapter.install(engine)
+    assert handle is not None, "install() returned None (inmem_ft block absent or disabled)"
+    out["inmem_fresh_start"] = handle.restored is None
+    for _ in range(args.warmup):
+        train_step(engine, x)
+    base = [train_step(engine, x) for _ in range(args.base_steps)]
+    out["step_s_inmem_process"] = slowest(statistics.median(base))
+    try:
+        set_interval(handle, 10**9)  # no automatic snapshots while timing handle.snapshot()
+    except AttributeError:
+        set_interval_ok = False
+    handle.snapshot()  # the first one reserves and faults in the SMP's slots, as at job start
+    handle.wait()
+    stalls, commits = [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        handle.snapshot()
+        stalls.append(time.perf_counter() - t0)
+        handle.wait()
+        commits.append(time.perf_counter() - t0)
+    out["inmem_blocking_s"] = slowest(statistics.median(stalls))
+    out["inmem_commit_s"] = slowest(statistics.median(commits))
+
+    base_mean = statistics.mean(base)
+    for n, steps in ((1, args.i1_steps), (10, args.i10_steps)):
+        key = f"step_overhead_interval{n}"
+        if not set_interval_ok:
+            out.setdefault("notes", []).append(f"{key}: handle exposes no interval")
+            continue
+        if steps == 0:
+            continue
+        set_interval(handle, n)
+        handle.wait()
+        dist.barrier()
+        ts = [train_step(engine, x) for _ in range(steps)]
+        handle.wait()
+        out[f"step_s_interval{n}"] = slowest(statistics.mean(ts))
+        out[key] = slowest(statistics.mean(ts) / base_mean)
+    set_interval(handle, 10**9) if set_interval_ok else None
+    handle.wait()
+    out["inmem_step"] = engine.global_steps
+    handle.close()
+    return out
+
+
+def phase_load(args) -> dict:
+    import torch.distributed as dist
+    res = {"skipped": {}}
+    disk = os.path.join(args.disk_dir, f"zero{args.stage}")
+    times = []
+    for _ in range(args.load_repeats):
+        engine = build_engine(args, interval=1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        path, _ = engine.load_checkpoint(os.path.join(disk, "torch"), tag=args.tag)
+        times.append(time.perf_counter() - t0)
+        assert path is not None, "load_checkpoint found nothing"
+        engine.destroy()
+        del engine
+        gc.collect()
+    res["disk_load_s"] = slowest(statistics.median(times))
+
+    adapter, why = load_adapter()
+    if adapter is None:
+        res["skipped"]["restore_s"] = why
+        return res
+    try:
+        times, tiers, inner = [], [], []
+        for _ in range(args.load_repeats):
+            engine = build_engine(args, interval=10**9)
+            dist.barrier()
+            t0 = time.perf_counter()
+            handle = adapter.install(engine)
+            wall = time.perf_counter() - t0
+            restored = getattr(handle, "restored", None)
+            tiers.append(str(getattr(restored, "tier", restored)))
+            inner.append(getattr(restored, "seconds", None))
+            times.append(wall)
+            handle.close()
+            engine.destroy()
+            del engine, handle
+            gc.collect()
+        res["restore_s"] = slowest(statistics.median(times))
+        res["restore_tier"] = tiers[-1]
+        res["restore_reported_s"] = slowest(inner[-1])
+    except Exception as e:
+        res["skipped"]["restore_s"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        slowest(None)
+    return res
+
+
+def worker(args) -> None:
+    setup_worker()
+    import torch.distributed as dist
+    res = {"save": phase_save, "inmem": phase_inmem, "load": phase_load}[args.phase](args)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+
+ROWS = [("inmem_blocking_s", "inmem_ft handle.snapshot() (blocking)"),
+        ("torch_engine_s", "DeepSpeed TorchCheckpointEngine save_checkpoint"),
+        ("fast_python_s", "DeepSpeed FastCheckpointEngine, python writer"),
+        ("decoupled_blocking_s", "DeepSpeed DecoupledCheckpointEngine (save + wait in next step)"),
+        ("decoupled_save_call_s", "  of which: save_checkpoint call"),
+        ("dcp_async_save_s", "DCP async_save (blocking; capture included)"),
+        ("dcp_commit_s", "  DCP until written"),
+        ("inmem_commit_s", "inmem_ft until committed (handle.wait())"),
+        ("restore_s", "inmem_ft restore into a fresh engine"),
+        ("disk_load_s", "engine.load_checkpoint from local disk"),
+        ("step_s", "step time, no snapshots"),
+        ("step_overhead_interval1", "step time ratio, snapshot every step"),
+        ("step_overhead_interval10", "step time ratio, snapshot every 10 steps"),
+        ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)")]
+
+
+def fmt(v, key):
+    if v is None:
+        return "missing"
+    return f"{v:.3f}" if ("ratio" in key or "overhead" in key) else f"{v:.3f} s"
+
+
+def print_table(results: dict) -> None:
+    stages = [k for k in results["stages"]]
+    print(f"{results['params'] / 1e6:.1f}M params fp32 + AdamW, {results['ranks']} ranks (gloo, CPU), "
+          f"medians of {results['repeats']}, slowest rank" + (" [--quick]" if results["quick"] else ""))
+    head = f"  {'':<79}" + "".join(f"{'ZeRO-' + s:>12}" for s in stages)
+    print(head)
+    for key, label in ROWS:
+        vals = [results["stages"][s].get(key) for s in stages]
+        if all(v is None for v in vals) and key not in INMEM_KEYS + ("ratio_vs_torch_engine",):
+            continue
+        print(f"  {key:<26} {label:<52}" + "".join(f"{fmt(v, key):>12}" for v in vals))
+    for s in stages:
+        for k, why in results["stages"][s].get("skipped", {}).items():
+            print(f"  ZeRO-{s} skipped {k}: {why}")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["inmem_blocking_s", "torch_engine_s", "fast_python_s", "decoupled_blocking_s", "dcp_async_save_s",
+            "restore_s", "disk_load_s"]
+    labels = ["inmem_ft\nsnapshot", "DS torch\nengine", "DS fast\n(python)", "DS\ndecoupled", "DCP\nasync_save",
+              "inmem_ft\nrestore", "DS load\n(disk)"]
+    stages = list(results["stages"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(stages)
+    colors = ["#2a7", "#c55", "#e93", "#d8a", "#59c", "#7b5", "#a44"]
+    for j, s in enumerate(stages):
+        vals = [results["stages"][s].get(k) for k in keys]
+        xs = [i + (j - (len(stages) - 1) / 2) * width for i in range(len(keys))]
+        bars = ax.bar(xs, [v or 0 for v in vals], width, label=f"ZeRO-{s}",
+                      color=colors, alpha=1.0 if j == 0 else 0.55, edgecolor="black", linewidth=0.5)
+        ax.bar_label(bars, labels=["missing" if v is None else f"{v:.2f}" for v in vals], fontsize=7, rotation=90,
+                     padding=2)
+    ax.set_xticks(range(len(keys)), labels)
+    ax.set_ylabel("seconds (blocking / load)")
+    ax.set_title(f"DeepSpeed, {results['params'] / 1e6:.0f}M params + AdamW, {results['ranks']} ranks, CPU "
+                 f"(solid: ZeRO-{stages[0]}, light: ZeRO-{stages[-1]})")
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repeats and steps (about 5 min on 2 cores)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="draw a PNG grouped bar chart here")
+    p.add_argument("--stages", default=",".join(map(str, STAGES)), help="ZeRO stages, comma-separated")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=6, help="6 x (2048x4096 + 4096x2048) = 100.7M parameters")
+    p.add_argument("--disk-dir", default=None, help="where the disk engines write (default: a temp dir)")
+    p.add_argument("--inmem-path", default=None, help="prepend this to the workers' PYTHONPATH (an adapter checkout)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for a in ("--phase", "--result", "--tag"):
+        p.add_argument(a, default=None, help=argparse.SUPPRESS)
+    for a in ("--stage", "--repeats", "--load-repeats", "--warmup", "--base-steps", "--i1-steps", "--i10-steps"):
+        p.add_argument(a, type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from inmem_ft.launcher.simulated import SimulatedCluster
+
+    q = args.quick
+    counts = {"repeats": 2 if q else 3, "load_repeats": 1 if q else 2, "warmup": 1 if q else 2,
+              "base_steps": 3 if q else 5, "i1_steps": 3 if q else 5, "i10_steps": 0 if q else 10}
+    stages = [int(s) for s in args.stages.split(",")]
+    pypath = os.pathsep.join([x for x in (args.inmem_path, os.path.dirname(HERE)) if x])
+    results = {"quick": q, "repeats": counts["repeats"], "stages": {}}
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        disk_dir = args.disk_dir or os.path.join(tmp, "disk")
+        os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(tmp, "run"))
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": pypath, "DS_ACCELERATOR": "cpu",
+               "TORCH_EXTENSIONS_DIR": os.path.join(os.path.dirname(HERE), ".cache", "torch_extensions")}
+        for stage in stages:
+            res = {}
+            with SimulatedCluster(1, 2, f"dsbench{stage}", 8 << 30, os.path.join(tmp, f"logs{stage}"),
+                                  env=env) as cluster:
+                for phase in ("save", "inmem", "load"):
+                    result = os.path.join(tmp, f"{phase}{stage}.json")
+                    argv = [os.path.abspath(__file__), "--worker", "--phase", phase, "--result", result,
+                            "--stage", str(stage), "--hidden", str(args.hidden), "--layers", str(args.layers),
+                            "--disk-dir", disk_dir, "--tag", res.get("torch_engine_tag", "")]
+                    argv += [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
+                    attempt = cluster.run(argv, timeout_s=1800)
+                    if not attempt.ok:
+                        print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:], file=sys.stderr)
+                        return 1
+                    with open(result) as f:
+                        got = json.load(f)
+                    skipped = {**res.get("skipped", {}), **got.pop("skipped", {})}
+                    res.update(got)
+                    res["skipped"] = skipped
+            shutil.rmtree(os.path.join(disk_dir, f"zero{stage}"), ignore_errors=True)
+            for k in INMEM_KEYS:
+                res.setdefault(k, None)
+            if q and res.get("step_overhead_interval1") is not None:
+                # Quick mode does not run the 10-step window; amortise the interval-1 cost instead.
+                extra = (res["step_overhead_interval1"] - 1.0)
+                res["step_overhead_interval10"] = 1.0 + extra / 10
+                res["step_overhead_interval10_estimated"] = True
+            res["ratio_vs_torch_engine"] = (res["inmem_blocking_s"] / res["torch_engine_s"]
+                                            if res.get("inmem_blocking_s") is not None else None)
+            results["params"], results["ranks"] = res.pop("params"), res.pop("ranks")
+            results["stages"][str(stage)] = res
+    results["wall_s"] = time.monotonic() - t_start
+    print_table(results)
+    print(f"  total wall time {results['wall_s']:.0f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
