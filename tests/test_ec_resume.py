@@ -49,6 +49,7 @@ def lose_nodes_and_resume(job, runtime, m, lost):
         assert attempt.ok, cluster.rank_log(attempt.number, lost[0])
         for node in lost:
             assert "event=rebuilt step=15" in open(runtime / "logs" / f"smp-node{node}.log").read()
+            assert "step=15 source=peer_reconstruction" in cluster.rank_log(attempt.number, node)
     finally:
         cluster.stop()
     before, resumed = read_losses(runtime / "before.jsonl"), read_losses(runtime / "resumed.jsonl")

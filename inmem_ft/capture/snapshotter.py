@@ -231,8 +231,8 @@ class Snapshotter:
         self.wait()
         t0 = time.perf_counter()
         local = self._verified_local_slots()
-        mismatch = next((m["world_size"] for _, _, m in local if m["world_size"] != self.world_size), 0)
-        steps = [s for s, _, _ in local][: 2] + [NO_STEP] * (2 - min(2, len(local)))
+        mismatch = next((m["world_size"] for _, _, m, _ in local if m["world_size"] != self.world_size), 0)
+        steps = [s for s, _, _, _ in local][: 2] + [NO_STEP] * (2 - min(2, len(local)))
         everyone = self._agree.gather(steps + [mismatch])
         for rank, row in enumerate(everyone):
             if row[2]:
@@ -251,17 +251,17 @@ class Snapshotter:
                 self._heartbeat.beat(step=0, restored=None)
             return None
         step = max(common)
-        attached, manifest = next((a, m) for s, a, m in local if s == step)
+        attached, manifest, source = next((a, m, src) for s, a, m, src in local if s == step)
         header = seg.Header.read(attached.segment.buf)
         data = attached.bytes[header.data_off: header.data_off + header.data_len]
         replicated = self._gather_replicated(manifest, data)
         state = layout.unpack(manifest, data, replicated)
         self._smp.call("restored", rank=self.rank, step=step)
         self._complete = step
-        self.last_restore = RestoreInfo(step, "memory", time.perf_counter() - t0, header.data_len,
+        self.last_restore = RestoreInfo(step, source, time.perf_counter() - t0, header.data_len,
                                         path_of(attached.segment.name))
-        log.info("restore rank=%d step=%d source=memory seconds=%.3f bytes=%d", self.rank, step,
-                 self.last_restore.seconds, header.data_len)
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d", self.rank, step,
+                 source.replace(" ", "_"), self.last_restore.seconds, header.data_len)
         if self._heartbeat:
             self._heartbeat.beat(step=step, restored=vars(self.last_restore))
         return state
@@ -276,7 +276,7 @@ class Snapshotter:
                 log.warning("restore rank=%d step=%d event=corrupt: %s; falling back to an older snapshot",
                             self.rank, entry["step"], e)
                 continue
-            out.append((entry["step"], attached, manifest))
+            out.append((entry["step"], attached, manifest, entry["source"]))
         return out
 
     def _gather_replicated(self, manifest: dict, data: torch.Tensor) -> torch.Tensor | None:

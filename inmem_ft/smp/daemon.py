@@ -39,8 +39,9 @@ class RequestError(Exception):
 
 
 class Slot:
-    def __init__(self, segment: Segment, generation: int):
+    def __init__(self, segment: Segment, generation: int, source: str = "memory"):
         self.segment, self.generation = segment, generation
+        self.source = source  # "memory", or "peer reconstruction" for a slot rebuilt from the EC group
 
     @property
     def header(self) -> seg.Header | None:
@@ -222,7 +223,7 @@ class SMP:
         out = []
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
-                out.append({"segment": slot.segment.name, "step": slot.committed_step()})
+                out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
         return {"slots": sorted(out, key=lambda s: -s["step"])}
 
     def op_complete(self, msg, conn_id):
@@ -244,6 +245,7 @@ class SMP:
                 raise SnapshotCorrupt(f"cannot hold the rebuilt slot of rank {rank}: {e}") from None
             slot.segment.buf[: len(raw)] = raw
             seg.verify(slot.segment.buf, f"rebuilt rank {rank} slot {slot.segment.name}")
+            slot.source = "peer reconstruction"
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""

@@ -25,7 +25,7 @@ log = logging.getLogger("inmem_ft.deepspeed")
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "disk"
+    tier: str  # "memory" | "peer reconstruction" | "disk"
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
     tag: str
@@ -87,7 +87,7 @@ class Handle:
         @functools.wraps(load)
         def wrapped_load(load_dir, tag=None, *a, **kw):
             restored = self.restored
-            if restored is not None and restored.tier == "memory" and tag == restored.tag and self._memory:
+            if restored is not None and restored.tier != "disk" and tag == restored.tag and self._memory:
                 return self._load_memory(*self._memory, *a, **kw)
             return load(load_dir, tag, *a, **kw)
 
@@ -151,7 +151,8 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.rank, restored.step, restored.tier,
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.rank, restored.step,
+                 restored.tier.replace(" ", "_"),
                  restored.seconds)
         return restored
 
@@ -179,7 +180,7 @@ class Handle:
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
         restore_rng_state(state["rank"]["rng"])
-        return Restored(state["step"], "memory", 0.0, state["rank"]["extras"], tag)
+        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag)
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
