@@ -111,7 +111,8 @@ def test_budget_larger_than_shm_is_refused_at_start(job):
 
 def test_socket_and_segments_are_owner_only(job, smp):
     socket_path, _ = smp
-    Snapshotter(SnapshotConfig(job=job)).save(1, state(1))
+    with Snapshotter(SnapshotConfig(job=job)) as snap:
+        snap.save(1, state(1))
     assert stat.S_IMODE(os.stat(os.path.dirname(socket_path)).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
     segments = names_with_prefix(paths.segment_prefix(job, 0))

@@ -57,7 +57,7 @@ def crash(cluster, runtime, die_at, die_rank, extra=()):
     return read_losses(log)
 
 
-@pytest.mark.parametrize("extra", [(), ("--dp-split",)], ids=["full", "dp-split"])
+@pytest.mark.parametrize("extra", [(), ("--dp-split", "--overlap")], ids=["full", "dp-split-overlap"])
 def test_kill_one_rank_resumes_bit_identical(cluster, runtime, reference, extra):
     before = crash(cluster, runtime, die_at=12, die_rank=3, extra=extra)
     assert all(before[s] == reference[s] for s in before)

@@ -4,10 +4,14 @@ Host-resident leaves go straight into shared memory: one memcpy each, the whole 
 CUDA leaves go from a side stream into a pinned staging buffer laid out like the slot; the trainer's
 stream waits on that copy before it can touch the tensors again, and the commit thread later moves the
 staged bytes into shared memory, off the training path.
+
+With `defer` (overlap), nothing waits at save time: host copies run in the commit thread and the training
+stream waits on the device copies only at fence(), which the caller places right before the state next
+changes (the optimizer step), so forward and backward overlap the copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,11 +38,13 @@ def _copy_into(dst: torch.Tensor, value, c: Copy, whole: bool) -> None:
 
 
 @dataclass
-class DeviceWork:
-    """Staged CUDA copies still to be moved into shared memory by the commit thread."""
+class Work:
+    """Copies still to finish after copy() returned: host copies deferred to the commit thread (overlap),
+    and staged CUDA copies to move into shared memory once the side-stream event has fired."""
 
-    event: "torch.cuda.Event"
-    ranges: list[tuple[int, int]]
+    host: list = field(default_factory=list)  # (dst range, value, Copy, whole)
+    event: "torch.cuda.Event | None" = None
+    ranges: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Copier:
@@ -47,33 +53,47 @@ class Copier:
         self._staging: torch.Tensor | None = None
         self._stream = None
 
-    def copy(self, leaves: list[Leaf], copies: list[Copy], data: torch.Tensor) -> DeviceWork | None:
-        device_copies = []
+    def copy(self, leaves: list[Leaf], copies: list[Copy], data: torch.Tensor, defer: bool = False) -> Work:
+        """Copy, or with `defer` only start copying: the caller must fence() before the state changes."""
+        work, device_copies = Work(), []
         for c in copies:
             value = leaves[c.leaf].value
             whole = c.lo == 0 and c.hi == leaves[c.leaf].nbytes
             if isinstance(value, torch.Tensor) and value.is_cuda:
                 device_copies.append((c, value, whole))
+            elif defer:
+                work.host.append((c.dst, value, c, whole))
             else:
                 _copy_into(data[c.dst: c.dst + c.hi - c.lo], value, c, whole)
-        return self._stage(device_copies, data.numel()) if device_copies else None
+        if device_copies:
+            self._stage(device_copies, data.numel(), work)
+            if not defer:
+                self.fence(work)
+        return work
 
-    def _stage(self, device_copies, data_len: int) -> DeviceWork:
+    def copy_host(self, work: Work, data: torch.Tensor) -> None:
+        """Commit thread: the host copies an overlapped snapshot deferred."""
+        for dst, value, c, whole in work.host:
+            _copy_into(data[dst: dst + c.hi - c.lo], value, c, whole)
+        work.host = []
+
+    def fence(self, work: Work) -> None:
+        """The training stream waits for the device copies (no host wait: kernels queue behind them)."""
+        if work.event is not None:
+            torch.cuda.current_stream().wait_event(work.event)
+
+    def _stage(self, device_copies, data_len: int, work: Work) -> None:
         staging = self._staging_buffer(data_len)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        main = torch.cuda.current_stream()
-        self._stream.wait_stream(main)  # copy the values as of this point in the training stream
-        ranges = []
+        self._stream.wait_stream(torch.cuda.current_stream())  # copy the values as of this point
         with torch.cuda.stream(self._stream):
             for c, value, whole in device_copies:
                 _copy_into(staging[c.dst: c.dst + c.hi - c.lo], value, c, whole)
                 value.record_stream(self._stream)
-                ranges.append((c.dst, c.dst + c.hi - c.lo))
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        main.wait_event(event)  # the optimizer step that follows cannot overwrite what is being copied
-        return DeviceWork(event, ranges)
+                work.ranges.append((c.dst, c.dst + c.hi - c.lo))
+            work.event = torch.cuda.Event()
+            work.event.record(self._stream)
 
     def _staging_buffer(self, data_len: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < data_len:
@@ -84,9 +104,9 @@ class Copier:
             self._staging = torch.empty(data_len, dtype=torch.uint8, pin_memory=True)
         return self._staging
 
-    def drain(self, work: DeviceWork | None, data: torch.Tensor) -> None:
+    def drain(self, work: Work | None, data: torch.Tensor) -> None:
         """Commit thread: move staged device bytes into the slot once the side-stream copy finished."""
-        if work is None:
+        if work is None or work.event is None:
             return
         work.event.synchronize()
         for lo, hi in work.ranges:

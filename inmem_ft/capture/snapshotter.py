@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class Snapshotter:
         self._attached: dict[str, _Attached] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-commit")
         self._pending: Future | None = None
+        self._fence_work = None
+        self._copied = threading.Event()
         self._complete: int | None = None
         self._reserved = False
         self.metrics = Metrics()
@@ -95,7 +98,7 @@ class Snapshotter:
     def due(self, step: int) -> bool:
         return step % self.config.interval == 0
 
-    def maybe_save(self, step: int, state_fn) -> bool:
+    def maybe_save(self, step: int, state_fn, *, overlap: bool = False) -> bool:
         """Save `state_fn()` if `step` is a snapshot step; the state is only built when needed.
 
         Call it every step: it is also the rank's heartbeat for supervisors that watch for hangs.
@@ -103,7 +106,7 @@ class Snapshotter:
         self.heartbeat(step=step)
         if not self.due(step):
             return False
-        self.save(step, state_fn())
+        self.save(step, state_fn(), overlap=overlap)
         return True
 
     def heartbeat(self, **fields) -> None:
@@ -111,7 +114,10 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(**fields)
 
-    def save(self, step: int, state) -> None:
+    def save(self, step: int, state, *, overlap: bool = False) -> None:
+        """Snapshot `state` as of now. Returns once its bytes are out of device memory, or with `overlap`
+        at once: the copy then runs behind training and fence() must be called before the state changes
+        (see fence_optimizer)."""
         t0 = time.perf_counter()
         self.wait()
         flat = flatten(state)
@@ -124,7 +130,7 @@ class Snapshotter:
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
             target = self._attach(reply["segment"])
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
-            work = self._copier.copy(flat.leaves, plan.copies, data)
+            work = self._copier.copy(flat.leaves, plan.copies, data, defer=overlap)
             self._reserved = True
         except BudgetExceeded:
             if not self._reserved:
@@ -139,15 +145,40 @@ class Snapshotter:
         m.stalls_s.append(stall)
         if self._heartbeat:
             self._heartbeat.beat(step=step, snapshot_step=step, stall_s=stall, bytes=plan.data_len)
+        self._copied = threading.Event()
+        self._fence_work = work if overlap and error is None else None
+        if self._fence_work is None:
+            self._copied.set()
         # Submitted even after an error: every rank must take part in the step's agreement.
         self._pending = self._pool.submit(self._finish, step, plan, target, reply if target else None, work,
                                           error)
+
+    def fence(self) -> None:
+        """Before the snapshotted state changes: wait for an overlapped snapshot's copy. Cheap otherwise."""
+        work, self._fence_work = self._fence_work, None
+        if work is None:
+            return
+        t0 = time.perf_counter()
+        self._copier.fence(work)
+        self._copied.wait()
+        waited = time.perf_counter() - t0
+        self.metrics.last_stall_s += waited
+        self.metrics.total_stall_s += waited
+        self.metrics.stalls_s[-1] += waited
+
+    def fence_optimizer(self, optimizer) -> None:
+        """Fence automatically before every `optimizer.step()` (a torch.optim step pre-hook)."""
+        optimizer.register_step_pre_hook(lambda *_: self.fence())
 
     def _finish(self, step, plan, target, reply, work, error) -> None:
         t0 = time.perf_counter()
         if error is None:
             try:
                 data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
+                try:
+                    self._copier.copy_host(work, data)
+                finally:
+                    self._copied.set()
                 self._copier.drain(work, data)
                 seg.region_hashes(target.segment.buf[reply["data_off"]:], plan.manifest)
                 raw = seg.encode_manifest(plan.manifest)
@@ -208,6 +239,7 @@ class Snapshotter:
 
     def wait(self) -> None:
         """Block until the last snapshot is committed (or failed)."""
+        self.fence()
         pending, self._pending = self._pending, None
         if pending is None:
             return

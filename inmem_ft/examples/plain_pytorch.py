@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=0)
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
+    p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
@@ -50,6 +51,8 @@ def main() -> None:
     snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=args.interval),
                                 dp_group=dist.group.WORLD if args.dp_split else None)
     shared = inmem_ft.Replicated if args.dp_split else (lambda tree: tree)
+    if args.overlap:
+        snap.fence_optimizer(opt)  # the snapshot copy overlaps forward/backward, never the optimizer step
     start = 0
     state = snap.restore()
     if state is not None:
@@ -73,7 +76,8 @@ def main() -> None:
         inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
         snap.maybe_save(step, lambda: {"train": shared({"model": model.state_dict(), "optimizer": opt.state_dict(),
                                                         "scheduler": sched.state_dict()}),
-                                       "rng": inmem_ft.capture_rng_state(), "step": step})
+                                       "rng": inmem_ft.capture_rng_state(), "step": step},
+                        overlap=args.overlap)
         if step == args.die_at and rank == args.die_rank:
             os.kill(os.getpid(), signal.SIGKILL)
     snap.close()

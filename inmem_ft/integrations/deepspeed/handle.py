@@ -70,6 +70,7 @@ class Handle:
 
         @functools.wraps(step)
         def wrapped_step(*a, **kw):
+            self.snap.fence()  # the last snapshot's copy ran behind forward/backward; the step changes the state
             before = engine.global_steps
             out = step(*a, **kw)
             now = engine.global_steps
@@ -86,6 +87,7 @@ class Handle:
 
         @functools.wraps(load)
         def wrapped_load(load_dir, tag=None, *a, **kw):
+            self.snap.fence()
             restored = self.restored
             if restored is not None and restored.tier != "disk" and tag == restored.tag and self._memory:
                 return self._load_memory(*self._memory, *a, **kw)
@@ -105,10 +107,12 @@ class Handle:
         state = {"tag": str(info.tag), "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
-        self.snap.save(step, state)
+        # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
+        self.snap.save(step, state, overlap=True)
 
     def snapshot(self) -> None:
-        """Take a snapshot now (collective); returns after the blocking copy, the commit runs behind."""
+        """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
+        engine.step() (which waits for it), the commit behind that."""
         self.engine.save_checkpoint(self.scratch, tag=stock.tag_of(int(self.engine.global_steps)))
 
     def wait(self) -> None:
