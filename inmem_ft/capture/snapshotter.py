@@ -59,8 +59,15 @@ class _Attached:
 
     def __init__(self, name: str):
         self.segment = Segment(name)
-        self.segment.populate()
         self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
+        self.populated = False
+
+    def for_writing(self) -> "_Attached":
+        # Prefault once, so snapshot copies run at memcpy speed; a restore only reads and need not pay it.
+        if not self.populated:
+            self.segment.populate()
+            self.populated = True
+        return self
 
     def close(self) -> None:
         del self.bytes
@@ -128,7 +135,7 @@ class Snapshotter:
         try:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
-            target = self._attach(reply["segment"])
+            target = self._attach(reply["segment"]).for_writing()
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
             work = self._copier.copy(flat.leaves, plan.copies, data, defer=overlap)
             self._reserved = True
@@ -262,21 +269,19 @@ class Snapshotter:
         """Collective: the state of the newest step every rank holds intact, or None to start fresh."""
         self.wait()
         t0 = time.perf_counter()
-        local = self._verified_local_slots()
-        mismatch = next((m["world_size"] for _, _, m, _ in local if m["world_size"] != self.world_size), 0)
-        steps = [s for s, _, _, _ in local][: 2] + [NO_STEP] * (2 - min(2, len(local)))
-        everyone = self._agree.gather(steps + [mismatch])
-        for rank, row in enumerate(everyone):
-            if row[2]:
-                raise LayoutMismatch(
-                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
-                    f"{self.world_size}; restart with the original layout, or convert with the universal "
-                    f"loader (`inmem-ft export`). Nothing was discarded.")
-        common = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in everyone))
+        entries = self._smp.call("list", rank=self.rank)["slots"]  # newest first
+        # Usually every rank's newest slot is intact and of the same step: verify only that one, and read
+        # (checksum) the older one only when the ranks disagree.
+        local = self._verified(entries[:1])
+        rows = self._gather_candidates(local)
+        if len({row[0] for row in rows}) != 1 or rows[0][0] == NO_STEP:
+            local = self._verified(entries)
+            rows = self._gather_candidates(local)
+        common = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         if not common:
-            if any(s != NO_STEP for row in everyone for s in row[:2]):
+            if any(s != NO_STEP for row in rows for s in row[:2]):
                 log.warning("restore rank=%d event=none_complete steps_per_rank=%s: no step is intact on every "
-                            "rank; starting from scratch", self.rank, [row[:2] for row in everyone])
+                            "rank; starting from scratch", self.rank, [row[:2] for row in rows])
             self._smp.call("restored", rank=self.rank, step=None)
             self._complete = None
             if self._heartbeat:
@@ -298,9 +303,22 @@ class Snapshotter:
             self._heartbeat.beat(step=step, restored=vars(self.last_restore))
         return state
 
-    def _verified_local_slots(self):
+    def _gather_candidates(self, local) -> list[list[int]]:
+        """Every rank's verified steps (two, padded) and the world size of a foreign-layout snapshot, if any."""
+        mismatch = next((m["world_size"] for _, _, m, _ in local if m["world_size"] != self.world_size), 0)
+        steps = [s for s, _, _, _ in local][:2]
+        rows = self._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch])
+        for rank, row in enumerate(rows):
+            if row[2]:
+                raise LayoutMismatch(
+                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
+                    f"{self.world_size}; restart with the original layout (this release cannot reshard a snapshot "
+                    f"to another layout). Nothing was discarded.")
+        return rows
+
+    def _verified(self, entries: list[dict]):
         out = []
-        for entry in self._smp.call("list", rank=self.rank)["slots"]:
+        for entry in entries:
             attached = self._attach(entry["segment"])
             try:
                 _, manifest = seg.verify(attached.segment.buf, f"rank {self.rank} slot {entry['segment']}")
@@ -318,7 +336,7 @@ class Snapshotter:
         if rep["dp_size"] != self.dp_size:
             raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
                                  f"data-parallel ranks, this job has {self.dp_size}; restart with the original "
-                                 f"layout or convert with `inmem-ft export`")
+                                 f"layout (this release cannot reshard a snapshot)")
         _, _, chunk = layout.share_bounds(rep["total"], self.dp_rank, self.dp_size)
         share = torch.zeros(chunk, dtype=torch.uint8)
         share[: rep["hi"] - rep["lo"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
