@@ -15,7 +15,6 @@ reports it protected (parity pulled over authenticated TCP, encoded and sealed o
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,8 @@ from inmem_ft.smp.client import SMPClient  # noqa: E402
 from inmem_ft.smp.segments import Segment  # noqa: E402
 from inmem_ft.snapshot import segment as seg  # noqa: E402
 from inmem_ft.snapshot.checksum import checksum, to_hex  # noqa: E402
+
+import report  # benchmarks/report.py (the script's own folder is on sys.path)
 
 CODES = ((4, 2), (8, 2))
 TARGET_RATIO = 0.8
@@ -197,11 +198,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     results = run(args.quick)
     print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
+    report.write(results, args.json, plot, args.plot)
     return 0
 
 

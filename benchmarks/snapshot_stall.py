@@ -24,6 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import report  # benchmarks/report.py (the script's own folder is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -180,12 +182,7 @@ def main() -> int:
             print(f"  {key:<24} {results[key]:8.4f} s")
     for key in ["ratio_vs_torch_save", "ratio_vs_floor", "ratio_full_vs_floor"]:
         print(f"  {key:<24} {results[key]:8.3f}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    if args.plot:
-        plot(results, args.plot)
+    report.write(results, args.json, plot, args.plot)
     return 0
 
 

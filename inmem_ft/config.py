@@ -15,6 +15,17 @@ from .units import parse_size
 ON_ERROR = ("warn", "raise")
 
 
+def _from_dict(cls, values, where: str):
+    """Build a config dataclass from user data; unknown keys fail with the list of known ones."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: must be a JSON object, got {type(values).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+    return cls(**values)
+
+
 def _env_node() -> int:
     # torchrun exports the node's index as GROUP_RANK, SLURM as SLURM_NODEID.
     for var in ("INMEM_FT_NODE", "GROUP_RANK", "SLURM_NODEID"):
@@ -68,11 +79,7 @@ class SnapshotConfig:
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "inmem_ft") -> "SnapshotConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
-        return cls(**values)
+        return _from_dict(cls, values, where)
 
     @classmethod
     def from_env(cls, **overrides) -> "SnapshotConfig":
@@ -160,13 +167,7 @@ class InmemFTBlock:
 
     @classmethod
     def from_dict(cls, values, where: str = "inmem_ft") -> "InmemFTBlock":
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}: must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
-        return cls(**values)
+        return _from_dict(cls, values, where)
 
     @classmethod
     def from_framework_config(cls, config: dict, key: str = "inmem_ft") -> "InmemFTBlock | None":

@@ -6,7 +6,6 @@ import uuid
 
 import pytest
 
-from inmem_ft.smp import paths
 from inmem_ft.smp.segments import names_with_prefix, unlink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

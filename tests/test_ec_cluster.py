@@ -2,7 +2,6 @@
 a replacement node rebuilds its slots and parity byte-identically; more than m lost is a clear error;
 wrong secrets and corrupted parity are caught."""
 import itertools
-import json
 import os
 import time
 

@@ -1,7 +1,6 @@
 """The snapshot format: any training state round-trips exactly through manifest + raw bytes, no pickle."""
 import json
 import random
-from collections import OrderedDict
 
 import numpy as np
 import pytest

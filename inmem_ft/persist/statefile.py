@@ -2,7 +2,6 @@
 loadable without pickle, with the same type allowlist as shared-memory snapshots."""
 from __future__ import annotations
 
-import mmap
 
 import torch
 
