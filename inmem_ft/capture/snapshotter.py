@@ -135,7 +135,9 @@ class Snapshotter:
         try:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
-            target = self._attach(reply["segment"]).for_writing()
+            target = self._attach(reply["segment"])
+            if not overlap:
+                target.for_writing()  # else the commit thread prefaults, off the training path
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
             work = self._copier.copy(flat.leaves, plan.copies, data, defer=overlap)
             self._reserved = True
@@ -183,6 +185,7 @@ class Snapshotter:
             try:
                 data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
                 try:
+                    target.for_writing()
                     self._copier.copy_host(work, data)
                 finally:
                     self._copied.set()
