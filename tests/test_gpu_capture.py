@@ -32,6 +32,18 @@ def test_cuda_state_roundtrips_and_later_kernels_cannot_leak_in(snap):
     assert torch.equal(back["host"], torch.arange(5)) and "cuda" in back["rng"]
 
 
+def test_overlapped_snapshot_fences_before_the_state_changes(snap):
+    torch.manual_seed(1)
+    w = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    expected = w.cpu()
+    snap.save(1, {"w": w}, overlap=True)
+    y = (w * 3).sum()  # forward-like reads overlap the copy
+    snap.fence()  # what the optimizer-step pre-hook does
+    w.add_(y)  # the update, queued behind the copy on the training stream
+    snap.wait()
+    assert torch.equal(snap.restore()["w"], expected)
+
+
 def test_staging_budget_too_small_fails_at_first_snapshot(job, snap):
     tight = Snapshotter(SnapshotConfig(job=job, staging_budget="1MiB"))
     with pytest.raises(BudgetExceeded, match="staging_budget"):
