@@ -86,8 +86,6 @@ class SnapshotConfig:
         """Defaults filled from the variables the launch scripts export, then `overrides`."""
         env = {"job": os.environ.get("INMEM_FT_JOB"), "smp_socket": os.environ.get("INMEM_FT_SMP_SOCKET"),
                "node": _env_node()}
-        if os.environ.get("INMEM_FT_INTERVAL"):
-            env["interval"] = int(os.environ["INMEM_FT_INTERVAL"])
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update(overrides)
         return cls.from_dict(merged)

@@ -15,7 +15,6 @@ Schemes compared at the same memory budget:
 The job loses the snapshot if any group does.
 """
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -205,12 +204,3 @@ def run_survival(args):
         return 2
     print(format_report(inp, risks))
     return 0
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="inmem-ft survival", description=__doc__.splitlines()[0])
-    return run_survival(add_survival_arguments(parser).parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
