@@ -9,7 +9,7 @@ import sys
 from . import units
 from .cluster import survival
 from .cluster.options import add_ec_arguments, options_from_args
-from .errors import InmemFTError
+from .errors import ConfigError, InmemFTError
 from .smp import control, paths
 
 
@@ -25,7 +25,28 @@ def _socket(args) -> str:
     return args.socket or paths.default_socket(args.job, args.node)
 
 
+def apply_config_block(args) -> None:
+    """Fill the SMP settings not given on the command line from the framework config's inmem_ft block,
+    so the one block in the DeepSpeed JSON configures the trainers and the node daemons alike."""
+    from .config import InmemFTBlock
+
+    with open(args.config) as f:
+        block = InmemFTBlock.from_framework_config(json.load(f))
+    if block is None:
+        raise ConfigError(f"{args.config} has no \"inmem_ft\" block")
+    if args.memory_budget is None:
+        args.memory_budget = block.memory_budget
+    if args.parity is None and block.parity:
+        args.parity, args.group_size = block.parity, args.group_size or block.group_size
+    if block.job and args.job == "default":
+        args.job = block.job
+
+
 def cmd_smp_start(args) -> int:
+    if args.config:
+        apply_config_block(args)
+    if args.memory_budget is None:
+        raise ConfigError("give --memory-budget, or --config with a memory_budget in its inmem_ft block")
     ec = options_from_args(args)
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log,
                          extra_args=ec.argv() if ec else ())
@@ -99,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="smp_command", required=True)
     start = smp.add_parser("start", help="start the node's SMP in the background")
     _node_args(start)
-    start.add_argument("--memory-budget", required=True, type=units.parse_size,
+    start.add_argument("--memory-budget", type=units.parse_size, default=None,
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB")
+    start.add_argument("--config", default=None, metavar="JSON",
+                       help="a DeepSpeed config: memory_budget, parity and group_size of its inmem_ft block "
+                            "fill in what the command line leaves out")
     start.add_argument("--log", default=None, help="log file (default: beside the socket)")
     add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
