@@ -54,6 +54,6 @@ class Agreement:
 
 def all_gather_bytes(share: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every group member's equal-length uint8 `share`, in group-rank order."""
-    parts = [torch.empty_like(share) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, share, group=group)
-    return torch.cat(parts)
+    out = torch.empty(dist.get_world_size(group) * share.numel(), dtype=share.dtype)
+    dist.all_gather(list(out.view(-1, share.numel())), share, group=group)  # straight into one buffer
+    return out

@@ -341,8 +341,10 @@ class Snapshotter:
                                  f"data-parallel ranks, this job has {self.dp_size}; restart with the original "
                                  f"layout (this release cannot reshard a snapshot)")
         _, _, chunk = layout.share_bounds(rep["total"], self.dp_rank, self.dp_size)
-        share = torch.zeros(chunk, dtype=torch.uint8)
-        share[: rep["hi"] - rep["lo"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+        mine = rep["hi"] - rep["lo"]
+        share = torch.empty(chunk, dtype=torch.uint8)
+        share[:mine] = data[rep["o"]: rep["o"] + mine]
+        share[mine:] = 0  # the last share's padding
         if self.dp_size == 1:
             return share
         return all_gather_bytes(share, self._dp_gloo)[: rep["total"]]

@@ -73,8 +73,8 @@ def plan(flat: FlatState, *, step: int, rank: int, world_size: int, dp_rank: int
     return Plan(manifest, off, copies)
 
 
-def _tensor_from(src: torch.Tensor, entry: dict):
-    raw = src.clone()
+def _tensor_from(src: torch.Tensor, entry: dict, copy: bool):
+    raw = src.clone() if copy else src
     if entry["k"] == "a":
         return raw.numpy().view(np.dtype(entry["dt"])).reshape(entry["sh"])
     return raw.view(dtype_from_name(entry["dt"])).view(entry["sh"])
@@ -83,13 +83,16 @@ def _tensor_from(src: torch.Tensor, entry: dict):
 def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None = None):
     """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the gathered replicated region.
 
-    Every leaf is copied out, so the result stays valid after the slot is reused.
+    Leaves in `data` are copied out, so the result stays valid after the slot is reused; leaves of the
+    replicated region become views of it: that buffer is the caller's own (gathered), handed over here.
     """
     values = []
     for entry in manifest["leaves"]:
         n = entry["n"]
-        src = data[entry["o"]: entry["o"] + n] if "o" in entry else replicated[entry["ro"]: entry["ro"] + n]
-        values.append(_tensor_from(src, entry))
+        if "o" in entry:
+            values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=True))
+        else:
+            values.append(_tensor_from(replicated[entry["ro"]: entry["ro"] + n], entry, copy=False))
     return unflatten(manifest["tree"], values)
 
 
