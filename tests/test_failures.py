@@ -5,6 +5,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -78,10 +79,13 @@ def test_torn_write_is_discarded_and_older_snapshot_served(job, smp, who_dies, r
         writer.kill()
         control.start(job, 0, 64 << 20)
     writer.wait()
-    log = open(paths.default_log(job, 0)).read()
-    assert ("event=torn" if who_dies == "trainer" else "never committed") in log
-    restored = Snapshotter(SnapshotConfig(job=job)).restore()
-    assert restored["step"] == 1 and torch.equal(restored["w"], state(1)["w"])
+    restored = Snapshotter(SnapshotConfig(job=job)).restore()  # the torn slot is never offered, even before
+    assert restored["step"] == 1 and torch.equal(restored["w"], state(1)["w"])  # the SMP notices the hang-up
+    expected = "event=torn" if who_dies == "trainer" else "never committed"
+    deadline = time.monotonic() + 10  # the SMP logs the discard from its connection thread, asynchronously
+    while expected not in open(paths.default_log(job, 0)).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert expected in open(paths.default_log(job, 0)).read()
 
 
 def test_wrong_world_size_is_refused_and_keeps_the_snapshot(job, runtime):
