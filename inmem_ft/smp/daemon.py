@@ -66,6 +66,7 @@ class SMP:
         self.cond = threading.Condition(self.lock)
         self.started = time.time()
         self.protector = None  # a cluster.protection.Protector when erasure coding is on
+        self.stopping = False
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -281,7 +282,7 @@ class SMP:
     def op_shutdown(self, msg, conn_id):
         if msg.get("wipe"):
             self.wipe()
-        threading.Thread(target=self.server.shutdown, daemon=True).start()
+        self.stopping = True  # the handler stops the server once this reply is out
         return {}
 
     def wipe(self) -> None:
@@ -325,6 +326,9 @@ class SMP:
                         except (KeyError, TypeError, ValueError) as e:
                             reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
                         protocol.send(self.request, reply)
+                        if smp.stopping:
+                            threading.Thread(target=smp.server.shutdown, daemon=True).start()
+                            return
                 except (protocol.ProtocolError, OSError):
                     pass
                 finally:
