@@ -20,7 +20,7 @@ from inmem_ft.smp.segments import names_with_prefix, path_of
 def smp(job):
     proc = control.start(job, 0, 64 << 20)
     yield paths.default_socket(job, 0), proc
-    if proc.poll() is None:
+    if control.ping(paths.default_socket(job, 0)):  # the first SMP, or a replacement a test started
         control.stop(paths.default_socket(job, 0), wipe=True)
 
 
