@@ -191,6 +191,8 @@ def main() -> None:
         deepspeed.comm.all_reduce(mean)
         inmem_ft.report_loss(step, mean.item() / deepspeed.comm.get_world_size(), args.loss_log)
         if step == args.die_at and rank == args.die_rank:
+            if handle is not None:
+                handle.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
     if handle is not None:
         handle.close()

@@ -79,6 +79,7 @@ def main() -> None:
                                        "rng": inmem_ft.capture_rng_state(), "step": step},
                         overlap=args.overlap)
         if step == args.die_at and rank == args.die_rank:
+            snap.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
     snap.close()
     dist.destroy_process_group()
