@@ -13,7 +13,6 @@ import json
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..errors import SnapshotCorrupt
 from .checksum import checksum, to_hex
@@ -123,7 +122,3 @@ def region_hashes(data, manifest: dict) -> None:
     rep = manifest.get("replicated")
     if rep:
         rep["h"] = to_hex(checksum(data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]))
-
-
-def as_uint8(buf, offset: int = 0, count: int = -1) -> np.ndarray:
-    return np.frombuffer(buf, dtype=np.uint8, count=count, offset=offset)

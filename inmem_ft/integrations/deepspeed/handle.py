@@ -160,12 +160,6 @@ class Handle:
                  restored.seconds)
         return restored
 
-    def restore_from_memory(self) -> Restored | None:
-        """Collective: load the newest complete snapshot from memory (None if there is none)."""
-        t0 = time.perf_counter()
-        state = self.snap.restore()
-        return self._finish(self._load_memory(state), t0) if state is not None else None
-
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
         tag, anchor = state["tag"], self.snap.last_restore.path
         self._memory = (state,)
@@ -196,12 +190,6 @@ class Handle:
         return Restored(step, "disk", 0.0, rank_state["extras"], tag)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
-    @property
-    def tier_info(self) -> dict:
-        r = self.snap.last_restore
-        return {"restored": vars(self.restored) if self.restored else None,
-                "memory": vars(r) if r else None, "metrics": vars(self.snap.metrics)}
-
     def close(self) -> None:
         """Wait for the last commit (and flush), then let go of the SMP."""
         self.snap.close()
