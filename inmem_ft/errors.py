@@ -31,3 +31,7 @@ class LayoutMismatch(InmemFTError):
 
 class UnsafeType(InmemFTError, TypeError):
     """A value in the state cannot be stored without pickle."""
+
+
+class UnknownFormat(InmemFTError):
+    """A snapshot was written in a format version this inmem_ft does not read; it is kept, never loaded."""

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from inmem_ft import Fragment, Replicated, Sharded, UnsafeType, capture_rng_state, register_safe_class
-from inmem_ft.snapshot import flatten, fragments, plan, unpack
+from inmem_ft import Replicated, ShardSpec, Sharded, UnsafeType, capture_rng_state, register_safe_class
+from inmem_ft.snapshot import flatten, plan, shard_specs, unpack
 from inmem_ft.snapshot import segment as seg
 
 
@@ -74,12 +74,31 @@ def test_tied_tensors_are_stored_once():
     assert len(flat.leaves) == 1
 
 
-def test_fragment_metadata_is_recorded():
+def test_shard_specs_are_recorded():
     shard = torch.arange(6.0).view(2, 3)
-    frag = Fragment(global_shape=(4, 3), global_offset=(2, 0), partition_dim=0, replica_id=1)
-    back, manifest = roundtrip({"w": Sharded(shard, frag)})
-    assert torch.equal(back["w"], shard)
-    assert fragments(manifest) == {0: frag}
+    spec = ShardSpec("w", (4, 3), offset=(2, 0), shape=(2, 3), replica=(0, 1), main=False, axis_fragmentations=(2, 1))
+    flat = torch.arange(10.0)  # one flat buffer holding pieces of two keys
+    pieces = [ShardSpec("a", (3, 2), flat=(2, 6), at=0), ShardSpec("b", (8,), offset=(4,), shape=(4,), at=4)]
+    back, manifest = roundtrip({"w": Sharded(shard, spec), "buf": Sharded(flat, pieces)})
+    assert torch.equal(back["w"], shard) and torch.equal(back["buf"], flat)
+    assert shard_specs(manifest) == {0: [spec], 1: pieces}
+    assert manifest["topology"]["framework"] == "pytorch"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(key="w", global_shape=(4,), offset=(2,), shape=(3,)),  # box leaves the tensor
+    dict(key="w", global_shape=(4, 2), offset=(0,), shape=(4, 2)),  # ranks differ
+    dict(key="w", global_shape=(4,), flat=(2, 9)),  # flat range leaves the box
+    dict(key="", global_shape=(4,)),
+])
+def test_bad_shard_specs_are_refused(bad):
+    with pytest.raises(ValueError, match="shard spec"):
+        ShardSpec(**bad)
+
+
+def test_shard_spec_past_the_stored_tensor_is_refused():
+    with pytest.raises(ValueError, match="covers elements"):
+        Sharded(torch.zeros(4), ShardSpec("w", (8,), offset=(0,), shape=(8,)))
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3])

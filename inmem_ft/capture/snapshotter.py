@@ -22,6 +22,7 @@ from ..errors import BudgetExceeded, InmemFTError, LayoutMismatch, SnapshotCorru
 from ..smp.client import SMPClient
 from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
+from ..snapshot.topology import Topology
 from ..snapshot.tree import flatten
 from ..telemetry import Heartbeat
 from .agreement import Agreement, all_gather_bytes
@@ -105,7 +106,7 @@ class Snapshotter:
     def due(self, step: int) -> bool:
         return step % self.config.interval == 0
 
-    def maybe_save(self, step: int, state_fn, *, overlap: bool = False) -> bool:
+    def maybe_save(self, step: int, state_fn, *, overlap: bool = False, topology: Topology | None = None) -> bool:
         """Save `state_fn()` if `step` is a snapshot step; the state is only built when needed.
 
         Call it every step: it is also the rank's heartbeat for supervisors that watch for hangs.
@@ -113,7 +114,7 @@ class Snapshotter:
         self.heartbeat(step=step)
         if not self.due(step):
             return False
-        self.save(step, state_fn(), overlap=overlap)
+        self.save(step, state_fn(), overlap=overlap, topology=topology)
         return True
 
     def heartbeat(self, **fields) -> None:
@@ -121,15 +122,16 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(**fields)
 
-    def save(self, step: int, state, *, overlap: bool = False) -> None:
+    def save(self, step: int, state, *, overlap: bool = False, topology: Topology | None = None) -> None:
         """Snapshot `state` as of now. Returns once its bytes are out of device memory, or with `overlap`
         at once: the copy then runs behind training and fence() must be called before the state changes
-        (see fence_optimizer)."""
+        (see fence_optimizer). `topology`: the layout record stored with it (default: this job's world and
+        data-parallel sizes, framework 'pytorch')."""
         t0 = time.perf_counter()
         self.wait()
         flat = flatten(state)
         plan = layout.plan(flat, step=step, rank=self.rank, world_size=self.world_size, dp_rank=self.dp_rank,
-                           dp_size=self.dp_size)
+                           dp_size=self.dp_size, topology=topology)
         manifest_len = len(seg.encode_manifest(plan.manifest))
         target, work, error = None, None, None
         try:

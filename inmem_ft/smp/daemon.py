@@ -17,11 +17,11 @@ import struct
 import threading
 import time
 
-from ..errors import SnapshotCorrupt
+from ..errors import SnapshotCorrupt, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from . import paths, protocol
-from .segments import Segment, free_bytes, names_with_prefix, unlink
+from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
@@ -87,6 +87,9 @@ class SMP:
             old.segment.close()
             old.segment.unlink()
         name = paths.segment_name(self.job, self.node, rank, index, generation)
+        while os.path.exists(path_of(name)):  # a kept segment of another release holds this name
+            generation += 1
+            name = paths.segment_name(self.job, self.node, rank, index, generation)
         try:
             slot = Slot(Segment(name, size, create=True), generation)
         except MemoryError as e:
@@ -109,6 +112,11 @@ class SMP:
                     raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
                 segment = Segment(name)
                 header, _ = seg.verify(segment.buf, name)
+            except UnknownFormat as e:
+                # Another release's snapshot: never ours to load, and never ours to delete.
+                log.warning("smp node=%d event=unknown_format segment=%s kept=yes reason=%s", self.node, name, e)
+                segment.close()
+                continue
             except (SnapshotCorrupt, ValueError, OSError) as e:
                 log.warning("smp node=%d event=discard segment=%s reason=%s", self.node, name, e)
                 if segment is not None:

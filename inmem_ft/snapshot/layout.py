@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from .checksum import PLACEHOLDER
-from .segment import align
-from .tree import FlatState, Fragment, dtype_from_name, unflatten
-
-FORMAT = "inmem_ft/1"
+from .segment import FORMAT, align
+from .shardspec import ShardSpec
+from .topology import Topology
+from .tree import FlatState, dtype_from_name, unflatten
 
 
 @dataclass
@@ -42,13 +42,13 @@ def share_bounds(total: int, dp_rank: int, dp_size: int) -> tuple[int, int, int]
 
 
 def plan(flat: FlatState, *, step: int, rank: int, world_size: int, dp_rank: int = 0, dp_size: int = 1,
-         meta: dict | None = None) -> Plan:
+         topology: Topology | None = None, meta: dict | None = None) -> Plan:
     leaves, copies, off, roff = [], [], 0, 0
     for i, leaf in enumerate(flat.leaves):
         entry = {"k": "a" if leaf.is_array else "t", "dt": leaf.dtype_name, "sh": list(leaf.value.shape),
                  "n": leaf.nbytes}
-        if leaf.fragment is not None:
-            entry["fr"] = leaf.fragment.to_json()
+        if leaf.shards:
+            entry["shards"] = [spec.to_json() for spec in leaf.shards]
         if leaf.replicated:
             entry["ro"] = roff
             roff = align(roff + leaf.nbytes)
@@ -68,8 +68,10 @@ def plan(flat: FlatState, *, step: int, rank: int, world_size: int, dp_rank: int
                 if a < b:
                     copies.append(Copy(i, a - entry["ro"], b - entry["ro"], off + a - lo))
         off = align(off + hi - lo)
-    manifest = {"format": FORMAT, "step": step, "rank": rank, "world_size": world_size, "tree": flat.tree,
-                "leaves": leaves, "replicated": replicated, "meta": meta or {}}
+    topology = topology or Topology(world_size=world_size, dp=dp_size, coords={"dp": dp_rank})
+    manifest = {"format": FORMAT, "step": step, "rank": rank, "world_size": world_size,
+                "topology": topology.to_json(), "tree": flat.tree, "leaves": leaves, "replicated": replicated,
+                "meta": meta or {}}
     return Plan(manifest, off, copies)
 
 
@@ -96,5 +98,7 @@ def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None =
     return unflatten(manifest["tree"], values)
 
 
-def fragments(manifest: dict) -> dict[int, Fragment]:
-    return {i: Fragment.from_json(e["fr"]) for i, e in enumerate(manifest["leaves"]) if "fr" in e}
+def shard_specs(manifest: dict) -> dict[int, list[ShardSpec]]:
+    """Leaf index -> the shard specs it carries, for leaves that carry any."""
+    return {i: [ShardSpec.from_json(d) for d in e["shards"]] for i, e in enumerate(manifest["leaves"])
+            if "shards" in e}

@@ -14,11 +14,12 @@ import struct
 from dataclasses import dataclass
 
 
-from ..errors import SnapshotCorrupt
+from ..errors import SnapshotCorrupt, UnknownFormat
 from .checksum import checksum, to_hex
 
 MAGIC = b"INMEMFT1"
 VERSION = 1
+FORMAT = "inmem_ft/2"  # the manifest's schema (docs/FORMAT.md); VERSION is the binary header's
 HEADER_SIZE = 4096
 ALIGN = 64
 PAGE = 4096
@@ -64,8 +65,12 @@ class Header:
         raw = bytes(buf[: _FIELDS.size + _HASH.size])
         body, (stored,) = raw[: _FIELDS.size], _HASH.unpack(raw[_FIELDS.size:])
         magic, version, state, step, _, man_len, data_off, data_len, man_hash = _FIELDS.unpack(body)
-        if magic != MAGIC or version != VERSION or checksum(body) != stored:
+        if magic != MAGIC or checksum(body) != stored:
             return None
+        if version != VERSION:
+            raise UnknownFormat(f"slot header version {version}, this inmem_ft reads version {VERSION}: the "
+                                f"snapshot was written by another inmem_ft release; restore it with that "
+                                f"release or from the disk tier (the snapshot is kept)")
         return cls(state, step, man_len, data_off, data_len, man_hash)
 
 
@@ -93,7 +98,17 @@ def read_committed(buf, where: str) -> tuple[Header, dict]:
     raw = manifest_view(buf, header)
     if checksum(raw) != header.manifest_hash:
         raise SnapshotCorrupt(f"{where}: manifest of step {header.step} fails its checksum")
-    return header, json.loads(bytes(raw))
+    manifest = json.loads(bytes(raw))
+    check_format(manifest, where)
+    return header, manifest
+
+
+def check_format(manifest: dict, where: str) -> None:
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        raise UnknownFormat(f"{where}: manifest format {found!r}, this inmem_ft reads {FORMAT!r} (docs/FORMAT.md): "
+                            f"the snapshot was written by another inmem_ft release; restore it with that release "
+                            f"or from the disk tier (the snapshot is kept)")
 
 
 def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:

@@ -17,33 +17,24 @@ import torch
 
 from ..errors import UnsafeType
 from . import safe_types
-
-
-@dataclass(frozen=True)
-class Fragment:
-    """Where a stored tensor sits in its global (unsharded) tensor, for resharding loaders."""
-
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    partition_dim: int | None = None
-    replica_id: int = 0
-
-    def to_json(self) -> dict:
-        return {"gs": list(self.global_shape), "go": list(self.global_offset), "pd": self.partition_dim,
-                "ri": self.replica_id}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Fragment":
-        return cls(tuple(d["gs"]), tuple(d["go"]), d["pd"], d["ri"])
+from .shardspec import ShardSpec
 
 
 class Sharded:
-    """Marks a tensor with its Fragment; restore gives back the bare tensor."""
+    """Marks a tensor with its shard spec(s): where its elements sit in global tensors. A flat buffer holding
+    the shards of several keys carries one spec per key (each with its own `at`). Restore gives back the
+    bare tensor."""
 
-    __slots__ = ("tensor", "fragment")
+    __slots__ = ("tensor", "specs")
 
-    def __init__(self, tensor: torch.Tensor, fragment: Fragment):
-        self.tensor, self.fragment = tensor, fragment
+    def __init__(self, tensor: torch.Tensor, specs: "ShardSpec | list[ShardSpec] | tuple[ShardSpec, ...]"):
+        self.tensor = tensor
+        self.specs = (specs,) if isinstance(specs, ShardSpec) else tuple(specs)
+        numel = tensor.numel() if isinstance(tensor, torch.Tensor) else int(tensor.size)
+        for spec in self.specs:
+            if spec.at + spec.numel > numel:
+                raise ValueError(f"shard spec of {spec.key!r} covers elements [{spec.at}, {spec.at + spec.numel}) "
+                                 f"of a stored tensor of {numel} elements")
 
 
 class Replicated:
@@ -62,7 +53,7 @@ class Replicated:
 class Leaf:
     value: Any  # torch.Tensor or np.ndarray, as captured (possibly on an accelerator)
     replicated: bool
-    fragment: Fragment | None = None
+    shards: tuple[ShardSpec, ...] = ()
 
     @property
     def is_array(self) -> bool:
@@ -94,14 +85,14 @@ class _Flattener:
         self._seen: dict[int, int] = {}  # id(tensor) -> leaf index: tied weights are stored once
         self._replicated = False
 
-    def leaf(self, value, fragment=None, key=None) -> dict:
+    def leaf(self, value, shards=(), key=None) -> dict:
         # Keyed by the caller's object, which the state keeps alive, so ids cannot be recycled meanwhile.
         key = id(value) if key is None else key
         idx = self._seen.get(key)
         if idx is None:
             idx = len(self.leaves)
             self._seen[key] = idx
-            self.leaves.append(Leaf(value, self._replicated, fragment))
+            self.leaves.append(Leaf(value, self._replicated, shards))
         return {"A" if isinstance(value, np.ndarray) else "T": idx}
 
     def encode(self, obj: Any, path: str) -> Any:
@@ -114,7 +105,7 @@ class _Flattener:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, Sharded):
-            return self.tensor(obj.tensor, path, obj.fragment)
+            return self.tensor(obj.tensor, path, obj.specs)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 raise UnsafeType(f"{path}: numpy array of Python objects cannot be stored without pickle")
@@ -145,10 +136,10 @@ class _Flattener:
             return {"device": str(obj)}
         return self.registered(obj, path)
 
-    def tensor(self, t: torch.Tensor, path: str, fragment=None) -> dict:
+    def tensor(self, t: torch.Tensor, path: str, shards=()) -> dict:
         if t.layout != torch.strided or t.is_quantized:
             raise UnsafeType(f"{path}: {t.layout} tensors are not supported; convert to a dense tensor first")
-        return self.leaf(t.detach(), fragment, key=id(t))
+        return self.leaf(t.detach(), shards, key=id(t))
 
     def mapping(self, obj: dict, path: str) -> dict:
         ordered = type(obj) is OrderedDict

@@ -1,0 +1,50 @@
+"""The parallel layout a snapshot was taken under: what a loader on another layout needs to map it.
+
+One record per rank's manifest. Job-wide facts (sizes, framework, optimizer) are the same on every rank;
+`coords` are this rank's. `position` is the data position (consumed samples, or whatever the framework
+counts) and `param_groups` say which global key is in which optimizer group, with its hyperparameters.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+_SIZES = ("tp", "pp", "dp", "ep", "vpp")
+
+
+@dataclass
+class Topology:
+    framework: str = "pytorch"
+    """'pytorch' (plain API), 'deepspeed' or 'megatron'."""
+    framework_version: str | None = None
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    coords: dict = field(default_factory=dict)
+    """This rank's coordinates, e.g. {"tp": 0, "pp": 1, "dp": 0}."""
+    zero_stage: int | None = None
+    position: object = None
+    optimizer: dict | None = None
+    """{"type": "Adam", "param_groups": [{"keys": [...], "lr": ..., ...}]}"""
+
+    def __post_init__(self):
+        for name in ("world_size", *_SIZES):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"topology: {name} must be an integer >= 1, got {value!r}")
+        bad = {k: v for k, v in self.coords.items() if not isinstance(v, int) or v < 0}
+        if bad:
+            raise ValueError(f"topology: coordinates must be integers >= 0, got {bad}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Topology":
+        return cls(**d)
+
+    def layout(self) -> str:
+        """A short readable layout, for log lines: tp2.pp1.dp4."""
+        return ".".join(f"{n}{getattr(self, n)}" for n in ("tp", "pp", "dp") + (("ep",) if self.ep > 1 else ()))
