@@ -233,7 +233,7 @@ class SMP:
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
                 out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
-        return {"slots": sorted(out, key=lambda s: -s["step"])}
+        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step}
 
     def op_complete(self, msg, conn_id):
         self.complete_step = int(msg["step"])

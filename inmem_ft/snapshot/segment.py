@@ -123,6 +123,54 @@ def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:
         raise SnapshotCorrupt(f"{where}: step {header.step} replicated share fails its checksum")
 
 
+def _regions(manifest: dict) -> list[tuple[int, int, str, str]]:
+    """(start, end, checksum, label) of every checksummed region of a slot's data, in offset order."""
+    out = [(leaf["o"], leaf["o"] + leaf["n"], leaf["h"], f"tensor #{i} ({leaf['dt']}{leaf['sh']})")
+           for i, leaf in enumerate(manifest["leaves"]) if "o" in leaf]
+    rep = manifest.get("replicated")
+    if rep:
+        out.append((rep["o"], rep["o"] + rep["hi"] - rep["lo"], rep["h"], "replicated share"))
+    return sorted(out)
+
+
+COPY_PIECE = 8 << 20  # small enough to stay in cache between the copy and its checksum
+
+
+def copy_verified(data, manifest: dict, where: str, step: int):
+    """A private copy of a slot's data bytes (uint8 tensor), every region's checksum verified on the copy.
+
+    One pass over shared memory: each piece is hashed right after it is copied, while it is still in cache,
+    instead of a checksum pass over shared memory followed by a copy pass."""
+    import torch
+    import xxhash
+
+    out = torch.empty(data.numel(), dtype=torch.uint8)
+    view = out.numpy()
+    regions, i, partial = _regions(manifest), 0, None
+    for a in range(0, data.numel(), COPY_PIECE):
+        b = min(data.numel(), a + COPY_PIECE)
+        out[a:b].copy_(data[a:b])
+        while i < len(regions) and regions[i][0] < b:
+            start, end, expected, label = regions[i]
+            piece = view[max(start, a): min(end, b)]
+            if partial is None and end <= b:
+                got = xxhash.xxh3_64_intdigest(piece)
+            else:
+                partial = partial or xxhash.xxh3_64()
+                partial.update(piece)
+                if end > b:
+                    break
+                got, partial = partial.intdigest(), None
+            if got != int(expected, 16):
+                raise SnapshotCorrupt(f"{where}: step {step} {label} fails its checksum: the bytes in memory "
+                                      f"were corrupted")
+            i += 1
+    for start, end, expected, label in regions[i:]:  # empty regions at the very end
+        if checksum(b"") != int(expected, 16) or end != start:
+            raise SnapshotCorrupt(f"{where}: step {step} {label} lies past the slot's data")
+    return out
+
+
 def verify(buf, where: str) -> tuple[Header, dict]:
     header, manifest = read_committed(buf, where)
     verify_regions(buf, header, manifest, where)

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
@@ -29,6 +29,8 @@ class Restored:
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
     tag: str
+    phases: dict = field(default_factory=dict)
+    """Seconds per phase of the restore (memory: list, agree, copy_verify, replicated, unpack; engine)."""
 
 
 class Handle:
@@ -188,12 +190,13 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.rank, restored.step,
-                 restored.tier.replace(" ", "_"),
-                 restored.seconds)
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.rank, restored.step,
+                 restored.tier.replace(" ", "_"), restored.seconds,
+                 " ".join(f"{k}_s={v:.3f}" for k, v in restored.phases.items()))
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
+        t0 = time.perf_counter()
         tag, anchor = state["tag"], self.snap.last_restore.path
         self._memory = (state,)
         self.ckpt.serve(tag, state["files"], anchor)
@@ -211,7 +214,8 @@ class Handle:
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
         restore_rng_state(state["rank"]["rng"])
-        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag)
+        phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
+        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag, phases)
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
