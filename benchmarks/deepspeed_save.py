@@ -391,7 +391,7 @@ def phase_load(args) -> dict:
         res["skipped"]["restore_s"] = why
         return res
     try:
-        times, tiers, inner = [], [], []
+        times, tiers, inner, phases = [], [], [], []
         for _ in range(args.load_repeats):
             engine = build_engine(args, interval=10**9)
             dist.barrier()
@@ -401,6 +401,7 @@ def phase_load(args) -> dict:
             restored = getattr(handle, "restored", None)
             tiers.append(str(getattr(restored, "tier", restored)))
             inner.append(getattr(restored, "seconds", None))
+            phases.append(getattr(restored, "phases", {}))
             times.append(wall)
             handle.close()
             engine.destroy()
@@ -409,6 +410,8 @@ def phase_load(args) -> dict:
         res["restore_s"] = slowest(statistics.median(times))
         res["restore_tier"] = tiers[-1]
         res["restore_reported_s"] = slowest(inner[-1])
+        # The restore's own breakdown (slowest rank per phase): where a restore's time goes.
+        res["restore_phases"] = {k: slowest(v) for k, v in sorted(phases[-1].items())}
     except Exception as e:
         res["skipped"]["restore_s"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -443,7 +446,8 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("step_s", "step time, no snapshots"),
         ("step_overhead_interval1", "step time ratio, snapshot every step"),
         ("step_overhead_interval10", "step time ratio, snapshot every 10 steps"),
-        ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)")]
+        ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)"),
+        ("restore_vs_disk_load", "restore_s / disk_load_s (target <= 0.1)")]
 
 
 def fmt(v, key):
@@ -464,6 +468,10 @@ def print_table(results: dict) -> None:
             continue
         print(f"  {key:<26} {label:<52}" + "".join(f"{fmt(v, key):>12}" for v in vals))
     for s in stages:
+        phases = results["stages"][s].get("restore_phases")
+        if phases:
+            print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
         for k, why in results["stages"][s].get("skipped", {}).items():
             print(f"  ZeRO-{s} skipped {k}: {why}")
 
@@ -561,6 +569,8 @@ def main() -> int:
                 res["step_overhead_interval10_estimated"] = True
             res["ratio_vs_torch_engine"] = (res["inmem_blocking_s"] / res["torch_engine_s"]
                                             if res.get("inmem_blocking_s") is not None else None)
+            res["restore_vs_disk_load"] = (res["restore_s"] / res["disk_load_s"]
+                                           if res.get("restore_s") is not None else None)
             results["params"], results["ranks"] = res.pop("params"), res.pop("ranks")
             results["stages"][str(stage)] = res
     results["wall_s"] = time.monotonic() - t_start

@@ -151,3 +151,25 @@ def test_corruption_is_detected_at_every_level():
         bad[offset] ^= 0x01
         with pytest.raises(seg.SnapshotCorrupt, match=what):
             seg.verify(memoryview(bad), "slot")
+
+
+def _slot_bytes(manifest: dict, version: int = seg.VERSION) -> bytearray:
+    raw = seg.encode_manifest(manifest)
+    buf = bytearray(seg.slot_size(len(raw), 0))
+    buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+    header = seg.Header(seg.COMMITTED, 3, len(raw), seg.data_offset(len(raw)), 0, seg.checksum(raw))
+    body = seg._FIELDS.pack(seg.MAGIC, version, header.state, header.step, seg.HEADER_SIZE, header.manifest_len,
+                            header.data_off, header.data_len, header.manifest_hash)
+    buf[: len(body) + 8] = body + seg._HASH.pack(seg.checksum(body))
+    return buf
+
+
+def test_unknown_format_versions_are_refused_with_a_clear_error():
+    from inmem_ft import UnknownFormat
+
+    manifest = plan(flatten({"w": torch.zeros(2)}), step=3, rank=0, world_size=1).manifest
+    seg.read_committed(_slot_bytes(manifest), "slot")  # the current format reads
+    with pytest.raises(UnknownFormat, match=r"manifest format 'inmem_ft/9', this inmem_ft reads 'inmem_ft/2'"):
+        seg.read_committed(_slot_bytes({**manifest, "format": "inmem_ft/9"}), "slot")
+    with pytest.raises(UnknownFormat, match="slot header version 7, this inmem_ft reads version 1"):
+        seg.read_committed(_slot_bytes(manifest, version=7), "slot")
