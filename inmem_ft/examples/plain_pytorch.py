@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import inmem_ft
+from inmem_ft.snapshot import annotate
 
 
 def batch(step: int, rank: int, size: int = 16):
@@ -20,6 +21,14 @@ def batch(step: int, rank: int, size: int = 16):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(size, 32, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def train_state(model, opt, sched, rank: int, dp_split: bool) -> dict:
+    """Model and optimizer with shard specs, so inspectors and resharding loaders know each tensor's place.
+    Replicas that each store their full state mark only rank 0's copy as the one to read."""
+    main = dp_split or rank == 0
+    model_sd, opt_sd = annotate.model_and_optimizer(model, opt, main=main, replica=() if dp_split else (rank,))
+    return {"model": model_sd, "optimizer": opt_sd, "scheduler": sched.state_dict()}
 
 
 def main() -> None:
@@ -74,8 +83,7 @@ def main() -> None:
         sched.step()
         dist.all_reduce(loss)
         inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
-        snap.maybe_save(step, lambda: {"train": shared({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                        "scheduler": sched.state_dict()}),
+        snap.maybe_save(step, lambda: {"train": shared(train_state(model, opt, sched, rank, args.dp_split)),
                                        "rng": inmem_ft.capture_rng_state(), "step": step},
                         overlap=args.overlap)
         if step == args.die_at and rank == args.die_rank:

@@ -15,7 +15,7 @@ from ...config import InmemFTBlock
 from ...errors import ConfigError
 from ...persist.tier import DiskTier
 from ...smp import paths
-from ...snapshot import Replicated, Topology
+from ...snapshot import Replicated, Topology, annotate
 from . import shards, stock, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
@@ -72,10 +72,9 @@ class Handle:
     def _zero0_param_names(self) -> dict[int, str]:
         """ZeRO-0 optimizer state is keyed by parameter index: index -> name. With bf16 the inner optimizer
         holds fp32 copies; `fp16_groups` lists the module parameters they stand for, in the same order."""
-        names = {id(p): n for n, p in self.engine.module.named_parameters()}
         opt = self.engine.optimizer
         groups = getattr(opt, "fp16_groups", None) or [g["params"] for g in opt.param_groups]
-        return {i: names[id(p)] for i, p in enumerate(p for g in groups for p in g)}
+        return annotate.param_names(self.engine.module, groups)
 
     def _wrap(self, engine) -> None:
         step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
@@ -116,7 +115,7 @@ class Handle:
     def _commit(self, info, files: dict) -> None:
         """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
         step = int(self.engine.global_steps)
-        files = shards.annotate(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
+        files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 param_names=self._param_names)
         state = {"tag": str(info.tag), "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},

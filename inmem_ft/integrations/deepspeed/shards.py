@@ -13,17 +13,10 @@ from __future__ import annotations
 import math
 
 from ...errors import InmemFTError
-from ...snapshot import Sharded, ShardSpec
+from ...snapshot import Sharded, ShardSpec, annotate
+from ...snapshot.annotate import optimizer_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def optimizer_key(kind: str, name: str) -> str:
-    return f"optimizer.state.{kind}.{name}"
-
-
-def _whole(key: str, tensor) -> ShardSpec:
-    return ShardSpec(key, tuple(tensor.shape))
 
 
 def _flat_pieces(kind: str, pieces: list[tuple[str, tuple, int, int, int]]) -> list[ShardSpec]:
@@ -70,13 +63,6 @@ def zero3_pieces(shapes: dict, dp_rank: int, dp_size: int):
     return pieces
 
 
-def _module_specs(module: dict) -> dict:
-    out = type(module)((name, Sharded(t, _whole(name, t)) if t.numel() else t) for name, t in module.items())
-    if hasattr(module, "_metadata"):
-        out._metadata = module._metadata  # load_state_dict reads the per-module versions
-    return out
-
-
 def _moments(state: dict, pieces, wrap) -> dict:
     out = dict(state)
     for kind in MOMENTS:
@@ -85,7 +71,7 @@ def _moments(state: dict, pieces, wrap) -> dict:
     return out
 
 
-def annotate(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict) -> dict:
+def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict) -> dict:
     """A copy of `files` ({file name: state dict}) whose tensors carry shard specs.
 
     param_names: ZeRO-0 only, optimizer param index -> parameter name (its state is keyed by index)."""
@@ -98,7 +84,7 @@ def annotate(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_
         if fname.endswith("model_states.pt"):
             module = sd.get("module")
             if module is not None and zero_stage < 3:  # ZeRO-3's module holds empty placeholders
-                sd["module"] = _module_specs(module)
+                sd["module"] = annotate.state_dict(module)
             if zero_stage == 0 and sd.get("optimizer") is not None:
                 sd["optimizer"] = _zero0_optimizer(sd["optimizer"], param_names)
         elif fname.endswith("optim_states.pt"):
@@ -140,28 +126,17 @@ def files_param_shapes(files: dict) -> list[dict]:
 
 def _zero0_optimizer(opt: dict, param_names: dict) -> dict:
     """ZeRO-0 keeps whole tensors keyed by parameter index: the torch optimizer's state_dict, or (bf16,
-    FP16_UnfusedOptimizer) that nested under `optimizer_state_dict` beside `fp32_groups`."""
-    def whole(kind, index, t):
-        name = param_names[index]
-        return Sharded(t, _whole(optimizer_key(kind, name), t))
-
-    def torch_state(sd):
-        sd = dict(sd)
-        sd["state"] = {i: {k: whole(k, i, v) if k in MOMENTS else v for k, v in s.items()}
-                       for i, s in sd["state"].items()}
-        return sd
-
+    FP16_UnfusedOptimizer) that nested under `optimizer_state_dict` beside `fp32_groups`, whose flattened
+    order is the same parameter index."""
+    if "optimizer_state_dict" not in opt:
+        return annotate.optimizer_state(opt, param_names)
     opt = dict(opt)
-    if "optimizer_state_dict" in opt:
-        opt["optimizer_state_dict"] = torch_state(opt["optimizer_state_dict"])
+    opt["optimizer_state_dict"] = annotate.optimizer_state(opt["optimizer_state_dict"], param_names)
+    if "fp32_groups" in opt:
         index, groups = 0, []
-        for group in opt.get("fp32_groups") or []:
-            wrapped = []
-            for t in group:
-                wrapped.append(whole("fp32_param", index, t))
-                index += 1
-            groups.append(wrapped)
-        if "fp32_groups" in opt:
-            opt["fp32_groups"] = groups
-        return opt
-    return torch_state(opt)
+        for group in opt["fp32_groups"]:
+            groups.append([annotate.whole(optimizer_key("fp32_param", param_names[index + i]), t)
+                           for i, t in enumerate(group)])
+            index += len(group)
+        opt["fp32_groups"] = groups
+    return opt
