@@ -86,16 +86,19 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_committed(buf, where: str) -> tuple[Header, dict]:
-    """Header and manifest of a committed slot, after checking header and manifest checksums."""
+def read_committed(buf, where: str, size: int | None = None) -> tuple[Header, dict]:
+    """Header and manifest of a committed slot, after checking header and manifest checksums. `buf` may hold
+    only the slot's first bytes (header and manifest, as a remote reader fetches them); `size`: the slot's."""
     header = Header.read(buf)
     if header is None:
         raise SnapshotCorrupt(f"{where}: header missing or failing its checksum (torn or overwritten slot)")
     if header.state != COMMITTED:
         raise SnapshotCorrupt(f"{where}: slot for step {header.step} was never committed (torn write)")
-    if header.data_off + header.data_len > len(buf):
+    if header.data_off + header.data_len > (len(buf) if size is None else size):
         raise SnapshotCorrupt(f"{where}: header points past the end of the segment")
     raw = manifest_view(buf, header)
+    if len(raw) != header.manifest_len:
+        raise SnapshotCorrupt(f"{where}: the manifest of step {header.step} is cut short")
     if checksum(raw) != header.manifest_hash:
         raise SnapshotCorrupt(f"{where}: manifest of step {header.step} fails its checksum")
     manifest = json.loads(bytes(raw))
@@ -121,6 +124,16 @@ def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:
     rep = manifest.get("replicated")
     if rep and checksum(data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]) != int(rep["h"], 16):
         raise SnapshotCorrupt(f"{where}: step {header.step} replicated share fails its checksum")
+
+
+def regions(header: Header, manifest: dict) -> list[tuple[int, int, int]]:
+    """(start, end, checksum) of every checksummed tensor region, in slot offsets, in slot order."""
+    out = [(header.data_off + leaf["o"], header.data_off + leaf["o"] + leaf["n"], int(leaf["h"], 16))
+           for leaf in manifest["leaves"] if "o" in leaf]
+    rep = manifest.get("replicated")
+    if rep:
+        out.append((header.data_off + rep["o"], header.data_off + rep["o"] + rep["hi"] - rep["lo"], int(rep["h"], 16)))
+    return sorted(out)
 
 
 def verify(buf, where: str) -> tuple[Header, dict]:
