@@ -56,9 +56,9 @@ def rank_state(rank, step):
     }
 
 
-def commit(socket_path, rank, step):
+def commit(socket_path, rank, step, state=None):
     """One rank's snapshot written as a trainer does: layout.plan, bytes into the slot, checksums, commit."""
-    flat = flatten(rank_state(rank, step))
+    flat = flatten(rank_state(rank, step) if state is None else state)
     topo = Topology(world_size=WORLD, tp=TP, dp=DP, coords={"tp": rank % TP, "dp": rank // TP})
     plan = layout.plan(flat, step=step, rank=rank, world_size=WORLD, dp_rank=rank // TP, dp_size=DP, topology=topo)
     manifest_len = len(seg.encode_manifest(plan.manifest))
@@ -230,6 +230,29 @@ def test_lost_node_is_read_and_pulled_through_parity(job, runtime):
         [pulled] = client.pull(2)
         assert pulled["source"] == "peer reconstruction" and pulled["from_node"] == 2
         assert node_slot(cluster, 0, 2) == original
+        client.close()
+    finally:
+        cluster.stop()
+
+
+def test_a_slot_larger_than_one_request_streams_in_pieces_from_memory_and_parity(job, runtime):
+    big = torch.randn(5 << 20, generator=torch.Generator().manual_seed(1))  # 20 MiB: three read requests
+    cluster = SimulatedCluster(2, 1, job, 128 << 20, str(runtime / "logs"), parity=1).start()
+    try:
+        commit(cluster.socket_path(0), 0, STEP, {"x": torch.zeros(3)})
+        commit(cluster.socket_path(1), 1, STEP, {"big": big})
+        for node in range(2):
+            control.call(cluster.socket_path(node), "complete", step=STEP)
+        wait_protected(cluster, STEP)
+        original = node_slot(cluster, 1, 1)
+        client = SMPClient(cluster.socket_path(0))
+        got, source = client.read(1, 1, STEP, 0, len(original))
+        assert source == "memory" and got.tobytes() == original
+        cluster.kill_smp(1)
+        cluster.wipe_node(1)
+        into = np.empty(len(original) - 100, dtype=np.uint8)
+        got, source = client.read(1, 1, STEP, 100, len(original) - 100, into=into)
+        assert source == "parity" and got is into and got.tobytes() == original[100:]
         client.close()
     finally:
         cluster.stop()

@@ -75,7 +75,7 @@ class SMPClient:
              into: np.ndarray | None = None) -> tuple[np.ndarray, str]:
         """Bytes [offset, offset+length) of node `node`'s committed slot of `rank` at `step` (slot offsets: a
         catalog row's slot_offset), checksum-verified, fetched in pieces of at most protocol.READ_MAX bytes.
-        Returns (bytes, "memory" | "parity": where the holder's bytes came from, parity if any piece did)."""
+        Returns (`into`, or a new uint8 array; "memory" | "parity": parity if any piece was decoded from it)."""
         out = np.empty(length, dtype=np.uint8) if into is None else into.reshape(-1).view(np.uint8)
         if out.nbytes != length:
             raise ValueError(f"`into` holds {out.nbytes} bytes, the read asks for {length}")
@@ -85,7 +85,7 @@ class SMPClient:
             reply, _ = self._call("read", {"node": node, "rank": rank, "step": step, "offset": offset + a,
                                            "length": n}, into=out[a: a + n])
             source = "parity" if reply["source"] == "parity" else source
-        return out, source
+        return (out if into is None else into), source
 
     def pull(self, rank: int) -> list[dict]:
         """Install `rank`'s newest committed slots held on other nodes (or decoded from parity) as local slots
