@@ -119,12 +119,13 @@ def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: 
         lines.append(f"{k['key']:<40} {k['dtype']:<9} {str(tuple(k['global_shape'])):<18} {k['main_rows']:>5} "
                      f"{k['rows']:>5}  exact")
     lines += ["", f"{'key':<32} {'box (offset+shape)':<26} {'flat':<14} {'main':<5} {'replica':<8} {'node':>4} "
-                  f"{'rank':>5} {'slot offset':>12} {'bytes':>10} {'source':<6}"]
+                  f"{'rank':>5} {'slot offset':>12} {'bytes':>10} {'of fragment bytes':<20} {'source':<6}"]
     for r in rows:
         box = f"{tuple(r['offset'])}+{tuple(r['shape'])}"
+        part = f"[{r['frag_byte_lo']}, {r['frag_byte_lo'] + r['nbytes']})"  # a DP share may hold part of one
         lines.append(f"{r['key']:<32} {box:<26} {str((r['flat_lo'], r['flat_hi'])):<14} {str(r['main']):<5} "
                      f"{str(tuple(r['replica'])):<8} {r['node']:>4} {r['rank']:>5} {r['slot_offset']:>12} "
-                     f"{r['nbytes']:>10} {r['source']:<6}")
+                     f"{r['nbytes']:>10} {part:<20} {r['source']:<6}")
     return "\n".join(lines)
 
 

@@ -6,14 +6,11 @@ same handlers without a socket, so code that asks "every node" needs no special 
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from .transport import PeerClient, PeerRefused, PeerServer, PeerUnavailable, TokenBucket
 
-log = logging.getLogger("inmem_ft.peers")
 # Errors a peer raised that keep their meaning here; any other refusal is a plain InmemFTError.
 _ERRORS = {cls.__name__: cls for cls in (SnapshotCorrupt, SnapshotLost, UnknownFormat)}
 

@@ -7,6 +7,8 @@ Runs inside the SMP, beside its control socket, in background threads:
   parity of older steps is dropped and the daemon may overwrite their slots.
 - rebuild, when an SMP starts with empty memory and its peers hold parity: it asks the survivors for
   their chunks, decodes its node data and parity, and installs its ranks' slots, which restores verify.
+- decode_range, for reads of a lost member's slots (cluster/slotreads.py): any byte range of its node
+  data, from the same range of k surviving chunks of each stripe it touches.
 
 Pull, not push: a parity holder asks for exactly the bytes it encodes next, so memory stays at k pieces
 per transfer and a slow or dead peer only stalls the nodes that need it.
@@ -24,7 +26,6 @@ from tqdm import tqdm
 
 from ..ec.stripes import DATA, StripeLayout, rebuild, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
-from ..snapshot import segment as seg
 from . import nodedata, paritystore
 from .groups import Groups
 from .paritystore import BUILT, PROTECTED, ParitySet
