@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -31,6 +32,7 @@ from .transport import PeerUnavailable
 
 log = logging.getLogger("inmem_ft.reads")
 _VIEWS = 64  # verified slots remembered (their manifests and which regions passed)
+_FAN_OUT = 16  # nodes asked at once for a catalog
 
 
 class SlotView:
@@ -89,9 +91,11 @@ class SlotReads:
         lost node's come from parity (source "parity")."""
         step = _opt_int(msg.get("step"))
         entries, manifests, unreachable = [], [], []
-        for node in self.peers.nodes:
+        with ThreadPoolExecutor(min(_FAN_OUT, len(self.peers.nodes)), thread_name_prefix="inmem_ft-catalog") as pool:
+            asked = {node: pool.submit(self._listing, node, step=step) for node in self.peers.nodes}
+        for node, future in asked.items():
             try:
-                listed, raw = self._listing(node, step=step)
+                listed, raw = future.result()
             except (PeerUnavailable, InmemFTError) as e:
                 unreachable.append({"node": node, "error": str(e)})
                 continue
