@@ -84,6 +84,51 @@ def cmd_smp_status(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from .smp.client import SMPClient
+    from .snapshot import catalog
+
+    client = SMPClient(_socket(args))
+    try:
+        listing = client.catalog()  # every step held: an error for a missing --step can say which are
+    finally:
+        client.close()
+    if listing["unreachable"]:
+        lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
+        raise InmemFTError(f"unreachable: {lost}")
+    step = catalog.complete_step(listing["entries"], args.step)
+    table = catalog.fragments(listing["entries"], step)
+    keys = catalog.check(table)
+    first = min((e for e in listing["entries"] if e["step"] == step), key=lambda e: e["rank"])
+    topology = first["manifest"].get("topology", {})
+    if args.json:
+        print(json.dumps({"job": args.job, "step": step, "topology": topology, "coverage": keys,
+                          "fragments": table.to_pylist()}, indent=1))
+        return 0
+    print(format_inspect(args.job, step, topology, keys, table.to_pylist()))
+    return 0
+
+
+def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: list[dict]) -> str:
+    sizes = " ".join(f"{n}={topology.get(n)}" for n in ("world_size", "tp", "pp", "dp", "ep", "vpp"))
+    lines = [f"job {job}  step {step} (held for every rank)",
+             f"topology: framework {topology.get('framework')} {topology.get('framework_version') or ''}  {sizes}  "
+             f"zero_stage {topology.get('zero_stage')}",
+             "", f"{'key':<40} {'dtype':<9} {'global shape':<18} {'main':>5} {'rows':>5}  coverage"]
+    for k in keys:
+        lines.append(f"{k['key']:<40} {k['dtype']:<9} {str(tuple(k['global_shape'])):<18} {k['main_rows']:>5} "
+                     f"{k['rows']:>5}  exact")
+    lines += ["", f"{'key':<32} {'box (offset+shape)':<26} {'flat':<14} {'main':<5} {'replica':<8} {'node':>4} "
+                  f"{'rank':>5} {'slot offset':>12} {'bytes':>10} {'of fragment bytes':<20} {'source':<6}"]
+    for r in rows:
+        box = f"{tuple(r['offset'])}+{tuple(r['shape'])}"
+        part = f"[{r['frag_byte_lo']}, {r['frag_byte_lo'] + r['nbytes']})"  # a DP share may hold part of one
+        lines.append(f"{r['key']:<32} {box:<26} {str((r['flat_lo'], r['flat_hi'])):<14} {str(r['main']):<5} "
+                     f"{str(tuple(r['replica'])):<8} {r['node']:>4} {r['rank']:>5} {r['slot_offset']:>12} "
+                     f"{r['nbytes']:>10} {part:<20} {r['source']:<6}")
+    return "\n".join(lines)
+
+
 def cmd_launch(args) -> int:
     from .launcher import scenario
     from .launcher.supervisor import Failure
@@ -136,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     _node_args(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_smp_status)
+
+    inspect = sub.add_parser("inspect", help="every fragment of every rank of a step, where its bytes live "
+                                             "(any node, or parity for a lost one) and whether each tensor is covered")
+    _node_args(inspect)
+    inspect.add_argument("--step", type=int, default=None, help="default: the newest step held for every rank")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(fn=cmd_inspect)
 
     launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "
                                            "recover, and print the timeline")

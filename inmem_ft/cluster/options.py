@@ -1,7 +1,7 @@
-"""Erasure-coding settings of an SMP: its command-line arguments, and the argv that starts one with them.
+"""Peer and erasure-coding settings of an SMP: its command-line arguments, and the argv that starts one.
 
 `inmem-ft smp start` and `python -m inmem_ft.smp` share `add_ec_arguments`; launchers build an
-`ECOptions` and pass `argv()` through `smp.control.start`.
+`ECOptions` (or pass --peers alone, for cross-node reads without parity) through `smp.control.start`.
 """
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nodes", type=int, default=None, help="number of nodes in the job")
     g.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="nodes per EC group (consecutive node ids); default: largest divisor of --nodes <= 8")
-    g.add_argument("--peers", default=None, help="NODE=HOST:PORT,... SMP-to-SMP address of every node")
-    g.add_argument("--secret-file", default=None, help="per-job secret (mode 0600); default $INMEM_FT_SECRET")
-    g.add_argument("--ec-bandwidth", type=units.parse_size, default=None, metavar="BYTES_PER_S",
-                   help="cap on outgoing parity traffic, bytes per second")
+    p = parser.add_argument_group("SMP-to-SMP links: cross-node reads, and erasure coding when --parity is given")
+    p.add_argument("--peers", default=None, help="NODE=HOST:PORT,... SMP-to-SMP address of every node")
+    p.add_argument("--secret-file", default=None, help="per-job secret (mode 0600); default $INMEM_FT_SECRET")
+    p.add_argument("--ec-bandwidth", type=units.parse_size, default=None, metavar="BYTES_PER_S",
+                   help="cap on outgoing SMP-to-SMP bulk traffic, bytes per second")
 
 
 def options_from_args(args: argparse.Namespace) -> ECOptions | None:
@@ -58,8 +59,16 @@ def options_from_args(args: argparse.Namespace) -> ECOptions | None:
     return ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
 
 
-def make_protector(smp, options: ECOptions):
+def make_peers(args: argparse.Namespace, node: int, job: str):
+    """The SMP's peer links: networked with --peers (the job secret is then required), else local only."""
+    from .peers import Peers
+
+    if not args.peers:
+        return Peers(node, job, {})
+    return Peers(node, job, parse_peers(args.peers), load_secret(args.secret_file), args.ec_bandwidth)
+
+
+def make_protector(smp, options: ECOptions, peers):
     from .protection import Protector
 
-    return Protector(smp, options.groups(), parse_peers(options.peers), load_secret(options.secret_file),
-                     options.bandwidth)
+    return Protector(smp, options.groups(), peers)

@@ -6,6 +6,7 @@ and its memory is gone (its segments are unlinked).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,21 +43,20 @@ class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
                  env: dict | None = None, parity: int | None = None, group_size: int | None = None,
                  ec_bandwidth: int | None = None):
-        """`parity` m turns on erasure coding across the nodes (INMEM_FT_SECRET must be in `env` or the
-        environment); each SMP then also listens on a loopback TCP port of its own."""
+        """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
+        secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
+        erasure coding across the nodes."""
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
         self.memory_budget, self.log_dir = memory_budget, log_dir
         # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
-        self.env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        self.env = {"OMP_NUM_THREADS": "1", "INMEM_FT_SECRET": secrets.token_hex(16), **os.environ, **(env or {})}
         self.smps: dict[int, subprocess.Popen] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0
         os.makedirs(log_dir, exist_ok=True)
-        self.ec = None
-        if parity is not None:
-            peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
-            self.ec = ECOptions(parity, nodes, peers, group_size, bandwidth=ec_bandwidth)
+        self.peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
+        self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -68,7 +68,7 @@ class SimulatedCluster:
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
                                         os.path.join(self.log_dir, f"smp-node{node}.log"),
-                                        extra_args=self.ec.argv() if self.ec else (), env=self.env)
+                                        extra_args=self.ec.argv() if self.ec else ["--peers", self.peers], env=self.env)
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):

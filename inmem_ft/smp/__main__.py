@@ -5,7 +5,8 @@ import os
 import sys
 
 from .. import units
-from ..cluster.options import add_ec_arguments, make_protector, options_from_args
+from ..cluster.options import add_ec_arguments, make_peers, make_protector, options_from_args
+from ..cluster.slotreads import SlotReads
 from . import paths
 from .daemon import SMP, check_budget_fits
 
@@ -24,9 +25,14 @@ def main(argv=None) -> int:
     check_budget_fits(args.memory_budget)
     smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
     smp.adopt_existing()
+    try:
+        smp.peers = make_peers(args, args.node, args.job)
+    except ValueError as e:
+        raise SystemExit(f"inmem_ft smp: {e}") from None
     if ec is not None:
-        smp.protector = make_protector(smp, ec)
+        smp.protector = make_protector(smp, ec, smp.peers)
         smp.protector.adopt()
+    smp.reads = SlotReads(smp, smp.peers, smp.protector)
     smp.serve()
     return 0
 

@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 
-from ..errors import SnapshotCorrupt, UnknownFormat
+from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from . import paths, protocol
@@ -30,6 +30,10 @@ SLOTS_PER_RANK = 2
 PROTECT_WAIT_S = 60.0
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
+
+
+# Error classes the client raises again from a reply's `code` (smp/client.py maps them back).
+_CODES = {SnapshotCorrupt: "corrupt", SnapshotLost: "lost", UnknownFormat: "format"}
 
 
 class RequestError(Exception):
@@ -66,6 +70,8 @@ class SMP:
         self.cond = threading.Condition(self.lock)
         self.started = time.time()
         self.protector = None  # a cluster.protection.Protector when erasure coding is on
+        self.peers = None  # cluster.peers.Peers: links to the other SMPs (local-only without --peers)
+        self.reads = None  # cluster.slotreads.SlotReads: serves catalog/read/pull, which may wait on peers
         self.stopping = False
 
     # ---- memory ---------------------------------------------------------------------------------------
@@ -127,13 +133,16 @@ class SMP:
             log.info("smp node=%d event=adopt rank=%d slot=%d step=%d", self.node, rank, index, header.step)
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def handle(self, msg: dict, conn_id: int) -> dict:
+    def handle(self, msg: dict, conn_id: int) -> tuple[dict, list]:
+        """(reply, raw pieces sent after it). Cross-node operations run outside the lock: they wait on peers."""
         op = msg.get("op")
+        if self.reads is not None and op in self.reads.OPS:
+            return self.reads.handle(op, msg)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise RequestError("bad_request", f"unknown operation {op!r}")
         with self.lock:
-            return fn(msg, conn_id)
+            return fn(msg, conn_id), []
 
     def op_ping(self, msg, conn_id):
         return {"job": self.job, "node": self.node, "pid": os.getpid()}
@@ -237,24 +246,85 @@ class SMP:
 
     def op_complete(self, msg, conn_id):
         self.complete_step = int(msg["step"])
+        self._release_moved(self.complete_step)
         if self.protector is not None:
             self.protector.notify_complete(self.complete_step)
         return {}
 
+    def _release_moved(self, step: int) -> None:
+        """Every rank committed `step`: a rank with slots here but no committed `step` here now runs on another
+        node. Its slots would hold up protection (node data needs every local rank) and the budget."""
+        for rank in [r for r, slots in self.slots.items() if r not in self.writers and
+                     step not in {s.committed_step() for s in slots if s is not None}]:
+            held = sorted({s.committed_step() for s in self.slots[rank] if s is not None} - {None})
+            for slot in self.slots.pop(rank):
+                if slot is not None:
+                    slot.segment.close()
+                    slot.segment.unlink()
+            log.info("smp node=%d event=released rank=%d steps=%s reason=rank committed step %d on another node",
+                     self.node, rank, held, step)
+
+    # ---- the slot store: what protection and cross-node reads use ------------------------------------------
+    def committed_views(self, step: int, ranks=None) -> dict[int, memoryview]:
+        """rank -> the used bytes of its committed slot of `step`, for every local rank (or those of `ranks`);
+        raises if one lacks it."""
+        with self.lock:
+            out = {}
+            for rank, slots in self.slots.items():
+                if ranks is not None and rank not in ranks:
+                    continue
+                for slot in slots:
+                    h = slot.header if slot is not None else None
+                    if h is not None and h.state == seg.COMMITTED and h.step == step:
+                        out[rank] = slot.segment.buf[: h.data_off + h.data_len]
+                if rank not in out:
+                    raise SnapshotCorrupt(f"node {self.node} holds no committed slot of step {step} for rank {rank}")
+            return out
+
+    def complete_steps_held(self) -> list[int]:
+        """Steps every local rank holds committed."""
+        with self.lock:
+            per_rank = [{s.committed_step() for s in slots if s is not None} - {None} for slots in self.slots.values()]
+        return sorted(set.intersection(*per_rank)) if per_rank else []
+
+    def committed(self, rank: int | None = None, step: int | None = None) -> list[tuple[int, Slot]]:
+        """(rank, slot) of the committed slots, optionally of one rank and/or step."""
+        with self.lock:
+            return [(r, slot) for r, slots in sorted(self.slots.items()) if rank is None or r == rank
+                    for slot in slots if slot is not None and slot.committed_step() is not None
+                    and (step is None or slot.committed_step() == step)]
+
+    def install(self, rank: int, size: int, fill, source: str, index: int | None = None) -> Slot:
+        """A fresh slot of `rank` holding a copy of a committed slot from elsewhere: `fill(buf)` writes its bytes
+        (outside the lock: it may wait on peers), then it is verified like a restore would. `index`: which slot,
+        default one holding no step this rank keeps (its newest)."""
+        with self.lock:
+            slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+            if index is None:
+                held = [s.committed_step() for s in slots if s is not None and s.committed_step() is not None]
+                index = self._choose(slots, {max(held)} if held else set())
+            try:
+                slot = self._allocate(rank, index, size)
+            except RequestError as e:
+                raise SnapshotCorrupt(f"node {self.node} cannot hold a copy of rank {rank}'s slot: {e}") from None
+        try:
+            fill(slot.segment.buf)
+            seg.verify(slot.segment.buf, f"node {self.node} rank {rank} slot {slot.segment.name} ({source})")
+        except BaseException:
+            slot.blank()
+            raise
+        slot.source = source
+        return slot
+
     def install_slot(self, rank: int, raw) -> None:
-        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`, verified like a restore would."""
+        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`."""
         header = seg.Header.read(raw)
         if header is None:
             raise SnapshotCorrupt(f"rebuilt slot of rank {rank} has no valid header")
-        with self.lock:
-            self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
-            try:
-                slot = self._allocate(rank, 0, seg.slot_size(header.manifest_len, header.data_len))
-            except RequestError as e:
-                raise SnapshotCorrupt(f"cannot hold the rebuilt slot of rank {rank}: {e}") from None
-            slot.segment.buf[: len(raw)] = raw
-            seg.verify(slot.segment.buf, f"rebuilt rank {rank} slot {slot.segment.name}")
-            slot.source = "peer reconstruction"
+
+        def fill(buf):
+            buf[: len(raw)] = raw
+        self.install(rank, seg.slot_size(header.manifest_len, header.data_len), fill, "peer reconstruction", 0)
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
@@ -327,13 +397,17 @@ class SMP:
                 try:
                     while True:
                         msg = protocol.recv(self.request)
+                        pieces = []
                         try:
-                            reply = {"ok": True, **smp.handle(msg, conn_id)}
+                            reply, pieces = smp.handle(msg, conn_id)
+                            reply = {"ok": True, **reply}
                         except RequestError as e:
                             reply = {"ok": False, "code": e.code, "error": str(e)}
+                        except InmemFTError as e:
+                            reply = {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}
                         except (KeyError, TypeError, ValueError) as e:
                             reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
-                        protocol.send(self.request, reply)
+                        protocol.send(self.request, reply, pieces)
                         if smp.stopping:
                             threading.Thread(target=smp.server.shutdown, daemon=True).start()
                             return
@@ -349,6 +423,8 @@ class SMP:
             os.umask(old_umask)
         self.server.daemon_threads = True
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        if self.peers is not None:
+            self.peers.start()
         if self.protector is not None:
             self.protector.start()
         log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
@@ -357,8 +433,8 @@ class SMP:
             self.server.serve_forever(poll_interval=0.2)
         finally:
             self.server.server_close()
-            if self.protector is not None:
-                self.protector.close()
+            if self.peers is not None:
+                self.peers.close()
             if os.path.exists(self.socket_path):
                 os.unlink(self.socket_path)
             log.info("smp node=%d event=stopped", self.node)

@@ -86,16 +86,19 @@ def encode_manifest(manifest: dict) -> bytes:
     return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
 
 
-def read_committed(buf, where: str) -> tuple[Header, dict]:
-    """Header and manifest of a committed slot, after checking header and manifest checksums."""
+def read_committed(buf, where: str, size: int | None = None) -> tuple[Header, dict]:
+    """Header and manifest of a committed slot, after checking header and manifest checksums. `buf` may hold
+    only the slot's first bytes (header and manifest, as a remote reader fetches them); `size`: the slot's."""
     header = Header.read(buf)
     if header is None:
         raise SnapshotCorrupt(f"{where}: header missing or failing its checksum (torn or overwritten slot)")
     if header.state != COMMITTED:
         raise SnapshotCorrupt(f"{where}: slot for step {header.step} was never committed (torn write)")
-    if header.data_off + header.data_len > len(buf):
+    if header.data_off + header.data_len > (len(buf) if size is None else size):
         raise SnapshotCorrupt(f"{where}: header points past the end of the segment")
     raw = manifest_view(buf, header)
+    if len(raw) != header.manifest_len:
+        raise SnapshotCorrupt(f"{where}: the manifest of step {header.step} is cut short")
     if checksum(raw) != header.manifest_hash:
         raise SnapshotCorrupt(f"{where}: manifest of step {header.step} fails its checksum")
     manifest = json.loads(bytes(raw))
@@ -123,13 +126,14 @@ def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:
         raise SnapshotCorrupt(f"{where}: step {header.step} replicated share fails its checksum")
 
 
-def _regions(manifest: dict) -> list[tuple[int, int, str, str]]:
-    """(start, end, checksum, label) of every checksummed region of a slot's data, in offset order."""
-    out = [(leaf["o"], leaf["o"] + leaf["n"], leaf["h"], f"tensor #{i} ({leaf['dt']}{leaf['sh']})")
-           for i, leaf in enumerate(manifest["leaves"]) if "o" in leaf]
+def regions(manifest: dict, base: int = 0) -> list[tuple[int, int, int, str]]:
+    """(start, end, checksum, label) of every checksummed region, offsets from `base` (the data offset for
+    slot offsets, 0 for data offsets), in offset order."""
+    out = [(base + leaf["o"], base + leaf["o"] + leaf["n"], int(leaf["h"], 16),
+            f"tensor #{i} ({leaf['dt']}{leaf['sh']})") for i, leaf in enumerate(manifest["leaves"]) if "o" in leaf]
     rep = manifest.get("replicated")
     if rep:
-        out.append((rep["o"], rep["o"] + rep["hi"] - rep["lo"], rep["h"], "replicated share"))
+        out.append((base + rep["o"], base + rep["o"] + rep["hi"] - rep["lo"], int(rep["h"], 16), "replicated share"))
     return sorted(out)
 
 
@@ -146,12 +150,12 @@ def copy_verified(data, manifest: dict, where: str, step: int):
 
     out = torch.empty(data.numel(), dtype=torch.uint8)
     view = out.numpy()
-    regions, i, partial = _regions(manifest), 0, None
+    regions_, i, partial = regions(manifest), 0, None
     for a in range(0, data.numel(), COPY_PIECE):
         b = min(data.numel(), a + COPY_PIECE)
         out[a:b].copy_(data[a:b])
-        while i < len(regions) and regions[i][0] < b:
-            start, end, expected, label = regions[i]
+        while i < len(regions_) and regions_[i][0] < b:
+            start, end, expected, label = regions_[i]
             piece = view[max(start, a): min(end, b)]
             if partial is None and end <= b:
                 got = xxhash.xxh3_64_intdigest(piece)
@@ -161,12 +165,12 @@ def copy_verified(data, manifest: dict, where: str, step: int):
                 if end > b:
                     break
                 got, partial = partial.intdigest(), None
-            if got != int(expected, 16):
+            if got != expected:
                 raise SnapshotCorrupt(f"{where}: step {step} {label} fails its checksum: the bytes in memory "
                                       f"were corrupted")
             i += 1
-    for start, end, expected, label in regions[i:]:  # empty regions at the very end
-        if checksum(b"") != int(expected, 16) or end != start:
+    for start, end, expected, label in regions_[i:]:  # empty regions at the very end
+        if checksum(b"") != expected or end != start:
             raise SnapshotCorrupt(f"{where}: step {step} {label} lies past the slot's data")
     return out
 
