@@ -75,8 +75,18 @@ class Restorer:
         listing = snap._smp.call("list", rank=snap.rank)
         local = self._candidates(listing["slots"])
         clock.mark("list")
-        rows = self._gather_candidates(local, listing.get("complete_step"))
+        rows = self._gather_candidates(local, listing)
         clock.mark("agree")
+        # A rank that landed on another node than its snapshots (a re-queue, a replacement node) finds them on
+        # the other SMPs, or in parity, and has its own SMP install them; then everyone looks again.
+        want = max(max(row[0], row[3]) for row in rows)
+        mine = {c.step for c in local}
+        lacking = (want != NO_STEP and want not in mine) or (not mine and any(row[4] for row in rows))
+        if -snap._agree.min(-int(lacking and self._pull())):
+            listing = snap._smp.call("list", rank=snap.rank)
+            local = self._candidates(listing["slots"])
+            rows = self._gather_candidates(local, listing)
+            clock.mark("pull")
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         while steps:
             step = max(steps)
@@ -104,14 +114,27 @@ class Restorer:
             out.append(_Candidate(entry["step"], attached, manifest, entry["source"]))
         return out
 
-    def _gather_candidates(self, local: list[_Candidate], complete_step) -> list[list[int]]:
-        """Every rank's steps (two, padded), the world size of a foreign-layout snapshot if any, and whether
-        its SMP knows a step the job had completed."""
+    def _pull(self) -> bool:
+        snap = self.snap
+        try:
+            pulled = snap._smp.pull(snap.rank)
+        except InmemFTError as e:  # no peers configured, or none reachable: the agreement below says what next
+            log.warning("restore rank=%d event=pull_failed: %s", snap.rank, e)
+            return False
+        for slot in pulled:
+            log.info("restore rank=%d step=%d event=pulled from_node=%d source=%s", snap.rank, slot["step"],
+                     slot["from_node"], slot["source"].replace(" ", "_"))
+        return bool(pulled)
+
+    def _gather_candidates(self, local: list[_Candidate], listing: dict) -> list[list[int]]:
+        """Every rank's steps (two, padded), the world size of a foreign-layout snapshot if any, the newest step
+        its SMP knows the job completed, and whether its SMP holds snapshots of any rank."""
         snap = self.snap
         mismatch = next((c.manifest["world_size"] for c in local if c.manifest["world_size"] != snap.world_size), 0)
         steps = [c.step for c in local][:2]
-        known = NO_STEP if complete_step is None else int(complete_step)
-        rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch, known])
+        known = NO_STEP if listing.get("complete_step") is None else int(listing["complete_step"])
+        rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch, known,
+                                                                          int(listing.get("holds_any", False))])
         for rank, row in enumerate(rows):
             if row[2]:
                 raise LayoutMismatch(

@@ -42,6 +42,8 @@ def main() -> None:
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
     p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
+    p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every parameter and optimizer "
+                                                     "tensor under its shard-map key (torch.save) to PATH")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
@@ -90,6 +92,11 @@ def main() -> None:
             snap.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
     snap.close()
+    if args.dump_full and rank == 0:
+        model_sd, opt_sd = annotate.model_and_optimizer(model, opt)
+        leaves = [*model_sd.values(), *(v for s in opt_sd["state"].values() for v in s.values())]
+        torch.save({x.specs[0].key: x.tensor.clone() for x in leaves if isinstance(x, inmem_ft.Sharded)},
+                   args.dump_full)
     dist.destroy_process_group()
 
 

@@ -54,12 +54,13 @@ class SimulatedCluster:
         self.smps: dict[int, subprocess.Popen] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0
+        self.placement: dict[int, int] | None = None  # rank -> node; None: node-major, as torchrun's static rdzv
         os.makedirs(log_dir, exist_ok=True)
         self.peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
         self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+        return self.placement[rank] if self.placement else rank // self.ranks_per_node
 
     def socket_path(self, node: int) -> str:
         return paths.default_socket(self.job, node)
@@ -104,14 +105,18 @@ class SimulatedCluster:
                 self.wipe_node(node)
 
     # ---- trainers ---------------------------------------------------------------------------------------
-    def launch(self, argv: list[str], extra_env: dict | None = None) -> None:
-        """Start every rank of one attempt running `python argv...` with the torchrun variables set."""
+    def launch(self, argv: list[str], extra_env: dict | None = None, placement: dict[int, int] | None = None) -> None:
+        """Start every rank of one attempt running `python argv...` with the torchrun variables set.
+        `placement` (rank -> node) puts global ranks on other nodes than last time, as torchrun's c10d
+        rendezvous may after a re-queue."""
         self.attempts += 1
+        self.placement = placement
         port = free_port()
         for rank in range(self.world_size):
             node = self.node_of(rank)
+            local = sorted(r for r in range(self.world_size) if self.node_of(r) == node).index(rank)
             env = {**self.env, **(extra_env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_RANK": str(rank % self.ranks_per_node), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+                   "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
                    "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "INMEM_FT_JOB": self.job, "INMEM_FT_NODE": str(node),
                    "INMEM_FT_SMP_SOCKET": self.socket_path(node), "INMEM_FT_RUNTIME_DIR": paths.runtime_dir(),
@@ -145,8 +150,9 @@ class SimulatedCluster:
         failed = self.failed_ranks()
         return self.end_attempt(t0, failed[0] if failed else None)
 
-    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0) -> Attempt:
-        self.launch(argv, extra_env)
+    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0,
+            placement: dict[int, int] | None = None) -> Attempt:
+        self.launch(argv, extra_env, placement)
         return self.wait(timeout_s)
 
     def kill_ranks(self) -> None:

@@ -105,7 +105,31 @@ class SMP:
         return slot
 
     # ---- re-adoption ----------------------------------------------------------------------------------
+    # ---- the job's newest complete step, kept beside the slots so a restarted SMP still knows it --------
+    def _record_complete(self, step: int | None) -> None:
+        """A restore that finds this step missing somewhere must fail rather than start the job over; an SMP
+        restart must not make it forget (a crash during the very first snapshot, which never completed, is
+        the case where starting over is right)."""
+        self.complete_step = step
+        path = path_of(paths.complete_record_name(self.job, self.node))
+        if step is None:
+            unlink(paths.complete_record_name(self.job, self.node))
+            return
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(step))
+        os.replace(tmp, path)
+
+    def _read_complete(self) -> None:
+        try:
+            with open(path_of(paths.complete_record_name(self.job, self.node))) as f:
+                self.complete_step = int(f.read())
+        except (FileNotFoundError, ValueError):
+            self.complete_step = None
+
     def adopt_existing(self) -> None:
+        self._read_complete()
         for name in names_with_prefix(self.prefix):
             parsed = paths.parse_segment_name(name)
             if parsed is None:
@@ -242,10 +266,11 @@ class SMP:
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
                 out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
-        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step}
+        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step,
+                "holds_any": bool(self.committed())}
 
     def op_complete(self, msg, conn_id):
-        self.complete_step = int(msg["step"])
+        self._record_complete(int(msg["step"]))
         self._release_moved(self.complete_step)
         if self.protector is not None:
             self.protector.notify_complete(self.complete_step)
@@ -335,7 +360,7 @@ class SMP:
                 slot.blank()
                 log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
                          rank, committed, "scratch" if step is None else f"step {step}")
-        self.complete_step = step
+        self._record_complete(None if step is None else int(step))
         if self.protector is not None:
             self.protector.restored(step)
         return {}
@@ -370,6 +395,7 @@ class SMP:
                     slot.segment.close()
                     slot.segment.unlink()
         self.slots.clear()
+        self._record_complete(None)
         if self.protector is not None:
             self.protector.wipe()
         log.info("smp node=%d event=wipe", self.node)

@@ -138,7 +138,7 @@ def coverage(table: pa.Table) -> list[dict]:
         if gs is None or len(dtypes) > 1:
             info["hole"] = f"fragments disagree on the global shape or dtype ({sorted(shapes)}, {sorted(dtypes)})"
         else:
-            info["hole"] = _hole(gs, [_byte_runs(cols, i) + (i,) for i in main], cols)
+            info["hole"] = _hole(gs, [byte_runs(cols, i) + (i,) for i in main], cols)
         out.append(info)
     return out
 
@@ -154,7 +154,7 @@ def check(table: pa.Table) -> list[dict]:
     return info
 
 
-def _byte_runs(cols: dict, i: int) -> tuple[np.ndarray, np.ndarray]:
+def byte_runs(cols: dict, i: int) -> tuple[np.ndarray, np.ndarray]:
     """(starts, ends) in the global tensor's row-major bytes that row `i` holds."""
     gs, off, shape = cols["global_shape"][i], cols["offset"][i], cols["shape"][i]
     flo, fhi = cols["flat_lo"][i], cols["flat_hi"][i]
