@@ -11,8 +11,10 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .. import telemetry
+from ..errors import ConfigError
 from .simulated import SimulatedCluster
 
 
@@ -24,13 +26,22 @@ class Failure:
     fired: bool = False
 
     _SPEC = re.compile(r"^(\d+):(\d+)$")
+    OPTIONS = {"rank": "--kill-rank", "node": "--kill-node", "hang": "--hang-rank"}
 
     @classmethod
     def parse(cls, kind: str, spec: str) -> "Failure":
         m = cls._SPEC.match(spec)
         if not m:
-            raise ValueError(f"--{kind}-{'node' if kind == 'node' else 'rank'} {spec!r}: expected STEP:INDEX, e.g. 12:3")
+            target = "NODE" if kind == "node" else "RANK"
+            raise ConfigError(f"{cls.OPTIONS[kind]} {spec!r}: expected STEP:{target}, e.g. 12:1")
         return cls(kind, int(m.group(1)), int(m.group(2)))
+
+    def check(self, nodes: int, world_size: int) -> None:
+        """Refuse a failure that cannot happen in this job, before anything starts."""
+        count, what = (nodes, "node") if self.kind == "node" else (world_size, "rank")
+        if self.target >= count:
+            raise ConfigError(f"{self.OPTIONS[self.kind]} {self.step}:{self.target}: the job has {count} {what}s "
+                             f"(0..{count - 1}), so this failure could never happen")
 
     def describe(self) -> str:
         return {"rank": f"kill -9 rank {self.target}", "node": f"lose node {self.target} (processes, SMP, memory)",
@@ -51,7 +62,14 @@ class Timeline:
     losses: dict[int, float] = field(default_factory=dict)
     reference: dict[int, float] | None = None
     failures: list[tuple[int, str]] = field(default_factory=list)  # (step, description) for the plot
+    missed: list[str] = field(default_factory=list)  # requested failures the run never reached
+    recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step caught up again, seconds lost)
     ok: bool = False
+
+    @property
+    def passed(self) -> bool:
+        """Finished, every requested failure happened, and (when compared) on the reference's losses."""
+        return self.ok and not self.missed and self.matches_reference is not False
 
     @property
     def matches_reference(self) -> bool | None:
@@ -59,16 +77,22 @@ class Timeline:
             return None
         return bool(self.losses) and self.losses == self.reference
 
+    HEADER = f"{'t (s)':>7}  {'event':<10}  details"
+
+    @staticmethod
+    def line(e: Event) -> str:
+        return f"{e.t:7.1f}  {e.kind:<10}  {e.text}"
+
     def format(self) -> str:
-        lines = [f"{'t (s)':>7}  {'event':<10}  details"]
-        lines += [f"{e.t:7.1f}  {e.kind:<10}  {e.text}" for e in self.events]
-        return "\n".join(lines)
+        return "\n".join([self.HEADER] + [self.line(e) for e in self.events])
 
 
 class Supervisor:
     def __init__(self, cluster: SimulatedCluster, argv: list[str], failures: list[Failure], *,
-                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str):
-        self.cluster, self.argv, self.failures = cluster, argv, failures
+                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str,
+                 live: Callable[[str], None] | None = None):
+        """`live` gets each timeline line as it happens (the CLI prints them)."""
+        self.cluster, self.argv, self.failures, self.live = cluster, argv, failures, live
         self.heartbeat_timeout_s, self.max_restarts, self.work_dir = heartbeat_timeout_s, max_restarts, work_dir
         self.loss_log = os.path.join(work_dir, "loss.jsonl")
         self.timeline = Timeline()
@@ -78,7 +102,10 @@ class Supervisor:
         self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
-        self.timeline.events.append(Event(time.monotonic() - self._t0, kind, text, step))
+        e = Event(time.monotonic() - self._t0, kind, text, step)
+        self.timeline.events.append(e)
+        if self.live:
+            self.live(Timeline.line(e))
 
     def run(self) -> Timeline:
         for attempt in range(self.max_restarts + 1):
@@ -92,6 +119,11 @@ class Supervisor:
         else:
             self.event("give up", f"still failing after {self.max_restarts} restarts")
         self.timeline.losses = telemetry.read_losses(self.loss_log)
+        last = max(self.timeline.losses, default=0)
+        for f in self.failures:
+            if not f.fired:
+                self.timeline.missed.append(f.describe())
+                self.event("missed", f"{f.describe()} never happened: the job stopped at step {last}")
         return self.timeline
 
     def _attempt(self, number: int) -> bool:
@@ -101,7 +133,7 @@ class Supervisor:
         self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes")
         t0, restored_seen = time.monotonic(), False
         while True:
-            beats = telemetry.read_heartbeats(hb_dir)
+            beats = self._beats(hb_dir)
             restored_seen = self._note_restore(beats, restored_seen)
             self._note_snapshots(beats)
             self._note_recovery(beats)
@@ -112,7 +144,7 @@ class Supervisor:
                 step = max((b.get("step", 0) for b in beats.values()), default=0)
                 attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
                 why = (f"rank {failed[0]} exited with {attempt.returncodes[failed[0]]}" if failed else
-                       f"no heartbeat for {self.heartbeat_timeout_s:g} s from ranks {hung} (hung)")
+                       self._describe_hang(beats, hung))
                 self.event("detected", f"{why}; survivors stopped, all ranks restart", step)
                 self._pending_loss.append((time.monotonic(), step))
                 return False
@@ -121,6 +153,13 @@ class Supervisor:
                 self.event("finished", f"attempt {number}: every rank exited cleanly")
                 return True
             time.sleep(0.05)
+
+    def _beats(self, hb_dir: str) -> dict[int, dict]:
+        """Heartbeats of the processes this attempt started, only: a file another run or attempt left
+        behind says nothing of now."""
+        procs = self.cluster.procs
+        return {r: b for r, b in telemetry.read_heartbeats(hb_dir).items()
+                if r in procs and b.get("pid") == procs[r].pid}
 
     def _note_restore(self, beats: dict, seen: bool) -> bool:
         if seen or len(beats) < self.cluster.world_size or any("restored" not in b for b in beats.values()):
@@ -145,14 +184,15 @@ class Supervisor:
                 self.event("snapshot", f"step {step}: training blocked {stall * 1e3:.1f} ms (slowest rank)", step)
 
     def _note_recovery(self, beats: dict) -> None:
-        if not self._pending_loss or not beats:
+        if not self._pending_loss or len(beats) < self.cluster.world_size:
             return
         now_step = min(b.get("step", 0) for b in beats.values())
         t_fail, step = self._pending_loss[0]
         if now_step >= step:
             self._pending_loss.pop(0)
-            self.event("recovered", f"back at step {step}: {time.monotonic() - t_fail:.1f} s lost to the failure",
-                       step)
+            lost = time.monotonic() - t_fail
+            self.timeline.recoveries.append((step, lost))
+            self.event("recovered", f"back at step {step}: {lost:.1f} s lost to the failure", step)
 
     def _inject(self, beats: dict) -> None:
         for f in self.failures:
@@ -174,9 +214,16 @@ class Supervisor:
                 self._lost_nodes.append(f.target)
 
     def _hung(self, beats: dict) -> list[int]:
-        """Ranks silent past the timeout. A hung rank soon silences its peers too (they wait on it in a
-        collective), so all of them are reported; any one of them is reason to restart."""
+        """Live ranks of this attempt silent past the timeout. A hung rank soon silences its peers too (they
+        wait on it in a collective), so each silent one is named; any one of them is reason to restart."""
         now = time.time()
         return sorted(rank for rank, beat in beats.items()
                       if not beat.get("done") and now - beat["time"] > self.heartbeat_timeout_s
                       and self.cluster.procs[rank].poll() is None)
+
+    def _describe_hang(self, beats: dict, hung: list[int]) -> str:
+        now = time.time()
+        last = ", ".join(f"rank {r} at step {beats[r].get('step', 0)} {now - beats[r]['time']:.0f} s ago"
+                         for r in sorted(hung, key=lambda r: beats[r]["time"]))
+        return (f"no heartbeat for over {self.heartbeat_timeout_s:g} s from rank(s) {hung} (hung; last beats: "
+                f"{last})")
