@@ -497,6 +497,10 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+PHASES = {"save": "training steps and DeepSpeed's engines, DCP", "inmem": "inmem_ft snapshots and restore",
+          "load": "stock disk load"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps (about 5 min on 2 cores)")
@@ -542,7 +546,9 @@ def main() -> int:
                             "--stage", str(stage), "--hidden", str(args.hidden), "--layers", str(args.layers),
                             "--disk-dir", disk_dir, "--tag", res.get("torch_engine_tag", "")]
                     argv += [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
-                    attempt = cluster.run(argv, timeout_s=1800)
+                    with report.phase(f"ZeRO-{stage} {PHASES[phase]}"):
+                        attempt = cluster.run(argv, timeout_s=1800,
+                                              poll=report.echo_worker(cluster, f"ZeRO-{stage} {phase}"))
                     if not attempt.ok:
                         print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:], file=sys.stderr)
                         return 1

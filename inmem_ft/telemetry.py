@@ -62,6 +62,8 @@ def read_losses(path: str) -> dict[int, float]:
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
+                if not line.endswith("\n"):
+                    break  # rank 0 is still writing it (the log is read while training runs)
                 rec = json.loads(line)
                 out[rec["step"]] = rec["loss"]
     return out

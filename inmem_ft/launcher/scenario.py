@@ -7,11 +7,11 @@ import json
 import os
 import secrets
 import shutil
-import time
 from dataclasses import asdict
 from typing import Callable
 
 from .. import telemetry
+from ..errors import InmemFTError
 from ..smp import control
 from .simulated import SimulatedCluster
 from .supervisor import Failure, Supervisor, Timeline
@@ -42,18 +42,19 @@ def reference_losses(nodes: int, ranks_per_node: int, job: str, budget: int, arg
     log = os.path.join(work_dir, "reference-loss.jsonl")
     wipe_job(f"{job}-ref", nodes)
     say("reference run (no failures) started")
+    next_note = [PROGRESS_EVERY_S]
+
+    def progress(seconds: float) -> None:
+        if seconds >= next_note[0]:
+            next_note[0] = seconds + PROGRESS_EVERY_S
+            say(f"reference run at step {max(telemetry.read_losses(log), default=0)} after {seconds:.0f} s")
+
     with SimulatedCluster(nodes, ranks_per_node, f"{job}-ref", budget, os.path.join(work_dir, "reference")) as c:
-        c.launch(argv, {telemetry.LOSS_LOG: log})
-        t0 = next_note = time.monotonic()
-        while c.running() and not c.failed_ranks():
-            if time.monotonic() >= next_note + PROGRESS_EVERY_S:
-                next_note = time.monotonic()
-                say(f"reference run at step {max(telemetry.read_losses(log), default=0)} "
-                    f"after {next_note - t0:.0f} s")
-            time.sleep(0.1)
-        attempt = c.end_attempt(t0)
+        attempt = c.run(argv, {telemetry.LOSS_LOG: log}, poll=progress)
         if not attempt.ok:
-            raise RuntimeError(f"the reference run failed; see {c.log_dir}")
+            raise InmemFTError(f"the reference run (no failures injected) failed: rank {attempt.first_failure} "
+                               f"exited with {attempt.returncodes[attempt.first_failure]}; see "
+                               f"{c.log_dir}/attempt1-rank{attempt.first_failure}.log")
     say(f"reference run finished in {attempt.seconds:.0f} s")
     return telemetry.read_losses(log)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..cluster.options import ECOptions
 from ..smp import control, paths
@@ -64,9 +65,12 @@ class SimulatedCluster:
         return paths.default_socket(self.job, node)
 
     # ---- SMPs ---------------------------------------------------------------------------------------------
+    def smp_log(self, node: int) -> str:
+        return os.path.join(self.log_dir, f"smp-node{node}.log")
+
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
-                                        os.path.join(self.log_dir, f"smp-node{node}.log"),
+                                        self.smp_log(node),
                                         extra_args=self.ec.argv() if self.ec else (), env=self.env)
 
     def start(self) -> "SimulatedCluster":
@@ -135,17 +139,21 @@ class SimulatedCluster:
         self.procs = {}
         return attempt
 
-    def wait(self, timeout_s: float = 600.0) -> Attempt:
-        """Wait for the attempt; the first rank to fail brings down the others."""
+    def wait(self, timeout_s: float = 600.0, poll: Callable[[float], None] | None = None) -> Attempt:
+        """Wait for the attempt; the first rank to fail brings down the others. `poll(seconds so far)` runs
+        while it waits (progress reports)."""
         t0 = time.monotonic()
         while self.running() and not self.failed_ranks() and time.monotonic() - t0 < timeout_s:
+            if poll:
+                poll(time.monotonic() - t0)
             time.sleep(0.05)
         failed = self.failed_ranks()
         return self.end_attempt(t0, failed[0] if failed else None)
 
-    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0) -> Attempt:
+    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0,
+            poll: Callable[[float], None] | None = None) -> Attempt:
         self.launch(argv, extra_env)
-        return self.wait(timeout_s)
+        return self.wait(timeout_s, poll)
 
     def kill_ranks(self) -> None:
         for proc in self.procs.values():

@@ -100,6 +100,7 @@ class Supervisor:
         self._seen_snapshots: set[int] = set()
         self._lost_nodes: list[int] = []
         self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
+        self._smp_logs: dict[int, int] = {}  # replaced node -> offset of its new SMP's lines in its log
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
         e = Event(time.monotonic() - self._t0, kind, text, step)
@@ -110,6 +111,7 @@ class Supervisor:
     def run(self) -> Timeline:
         for attempt in range(self.max_restarts + 1):
             for node in self._lost_nodes:
+                self._smp_logs[node] = os.path.getsize(self.cluster.smp_log(node))
                 self.cluster.start_smp(node)
                 self.event("replace", f"node {node}: replacement SMP started empty under the lost node's id")
             self._lost_nodes = []
@@ -137,6 +139,7 @@ class Supervisor:
             restored_seen = self._note_restore(beats, restored_seen)
             self._note_snapshots(beats)
             self._note_recovery(beats)
+            self._note_rebuilds()
             self._inject(beats)
             hung = self._hung(beats)
             failed = self.cluster.failed_ranks()
@@ -181,6 +184,23 @@ class Supervisor:
                 self._seen_snapshots.add(step)
                 stall = max(b["stall_s"] for b in beats.values())
                 self.event("snapshot", f"step {step}: training blocked {stall * 1e3:.1f} ms (slowest rank)", step)
+
+    _REBUILD = re.compile(r"event=(rebuild_start|rebuilt|rebuild_failed) (.*)$")
+
+    def _note_rebuilds(self) -> None:
+        """A replacement SMP's rebuild, as its log reports it."""
+        for node, offset in self._smp_logs.items():
+            with open(self.cluster.smp_log(node), "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            done = data.rfind(b"\n") + 1  # whole lines only
+            self._smp_logs[node] = offset + done
+            for line in data[:done].decode(errors="replace").splitlines():
+                m = self._REBUILD.search(line)
+                if m:
+                    what = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt",
+                            "rebuild_failed": "rebuild FAILED"}[m.group(1)]
+                    self.event("rebuild", f"node {node} {what} from its EC group: {m.group(2)}")
 
     def _note_recovery(self, beats: dict) -> None:
         if not self._pending_loss or len(beats) < self.cluster.world_size:
