@@ -237,7 +237,7 @@ def phase_save(args) -> dict:
         try:
             repeat_saves(args, engine, ce, x, key, disk, rank, step_med, times, walls, nexts)
         except Exception as e:  # e.g. the decoupled engine under ZeRO-1 (requires_grad tensors on its queue)
-            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             times = []
         dist.barrier()
         if not times:

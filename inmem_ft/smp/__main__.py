@@ -4,6 +4,7 @@ import os
 import sys
 
 from .. import units
+from ..telemetry import log_to_stderr
 from ..cli import Parser
 from ..cluster.options import add_ec_arguments, make_protector, options_from_args
 from ..errors import InmemFTError
@@ -22,8 +23,7 @@ def main(argv=None) -> int:
                    help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
     add_ec_arguments(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
+    log_to_stderr()
     try:
         ec = options_from_args(args)
         check_budget_fits(args.memory_budget)
