@@ -9,7 +9,7 @@ import sys
 
 from . import units
 from .cluster import survival
-from .cluster.options import add_ec_arguments, options_from_args
+from .cluster.options import ECOptions, add_ec_arguments, options_from_args
 from .errors import ConfigError, InmemFTError
 from .smp import control, paths
 from .smp.daemon import check_budget_fits
@@ -24,6 +24,7 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # argparse's own pattern (private, stable since 3.2) accepts only plain numbers like -5 as values.
         self._negative_number_matcher = re.compile(r"^-\d")
 
     def error(self, message):
@@ -32,9 +33,9 @@ class Parser(argparse.ArgumentParser):
 
 def _node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
-                   help="job id (default: $INMEM_FT_JOB, else %(default)s)")
+                   help="job id (default: $INMEM_FT_JOB, else 'default')")
     p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
-                   help="this node's index (default: $INMEM_FT_NODE, else %(default)s)")
+                   help="this node's index (default: $INMEM_FT_NODE, else 0)")
     p.add_argument("--socket", default=os.environ.get("INMEM_FT_SMP_SOCKET"),
                    help="control socket path (default: $INMEM_FT_SMP_SOCKET, else <runtime dir>/<job>/node<node>.sock)")
 
@@ -146,6 +147,11 @@ def cmd_launch(args) -> int:
         raise ConfigError("give the training command after --, e.g. -- train.py --steps 100")
     failures = ([Failure.parse("rank", s) for s in args.kill_rank] +
                 [Failure.parse("node", s) for s in args.kill_node] + [Failure.parse("hang", s) for s in args.hang_rank])
+    if args.parity:
+        try:
+            ECOptions(args.parity, args.nodes, "", args.group_size).groups()
+        except ValueError as e:
+            raise ConfigError(f"--parity {args.parity} --nodes {args.nodes}: {e}") from None
     work_dir = os.path.abspath(args.work_dir)
     os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(work_dir, "run"))
     timeline = scenario.run(args.nodes, args.ranks_per_node, args.job, args.memory_budget, argv, failures,
@@ -167,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="smp_command", required=True)
     start = smp.add_parser("start", help="start the node's SMP in the background")
     _node_args(start)
-    start.add_argument("--memory-budget", type=units.argparse_size, default=None,
+    start.add_argument("--memory-budget", type=units.argparse_size, default=None, metavar="SIZE",
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB "
                             "(default: the config's memory_budget)")
     start.add_argument("--config", default=None, metavar="JSON",
@@ -191,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: %(default)s)")
     launch.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default: %(default)s)")
     launch.add_argument("--job", default="launch", help="job id (default: %(default)s)")
-    launch.add_argument("--memory-budget", type=units.argparse_size, default="2GiB",
+    launch.add_argument("--memory-budget", type=units.argparse_size, default="2GiB", metavar="SIZE",
                         help="each node's SMP memory budget (default: 2GiB)")
     launch.add_argument("--parity", type=int, default=None, metavar="M",
                         help="erasure-code the snapshots across nodes, surviving M lost nodes per group "

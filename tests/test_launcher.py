@@ -69,6 +69,8 @@ def test_a_failure_outside_the_job_is_refused_before_anything_starts(runtime, jo
     out = launch(runtime / "launch", job, "--kill-rank", "10:99")
     assert out.returncode == 1 and out.stderr.strip() == (
         "inmem-ft: error: --kill-rank 10:99: the job has 2 ranks (0..1), so this failure could never happen")
+    out = launch(runtime / "launch", job, "--parity", "1")  # one node: no group to protect it
+    assert out.returncode == 1 and out.stderr.startswith("inmem-ft: error: --parity 1 --nodes 1: ")
     assert not (runtime / "launch").exists()
 
 

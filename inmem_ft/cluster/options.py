@@ -42,7 +42,8 @@ class ECOptions:
 def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("erasure coding across nodes (off unless --parity is given)")
     g.add_argument("--parity", type=int, default=None, metavar="M",
-                   help="lost nodes per EC group to survive; 0 turns erasure coding off (default: off)")
+                   help="lost nodes per EC group to survive; 0 turns erasure coding off (default: off, or "
+                        "the parity of `smp start --config`)")
     g.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes in the job (default: none)")
     g.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="nodes per EC group (consecutive node ids) (default: largest divisor of --nodes <= 8)")

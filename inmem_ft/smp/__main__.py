@@ -15,9 +15,9 @@ from .daemon import SMP, check_budget_fits
 def main(argv=None) -> int:
     p = Parser(prog="python -m inmem_ft.smp")
     p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
-                   help="job id (default: $INMEM_FT_JOB, else %(default)s)")
+                   help="job id (default: $INMEM_FT_JOB, else 'default')")
     p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
-                   help="this node's index (default: $INMEM_FT_NODE, else %(default)s)")
+                   help="this node's index (default: $INMEM_FT_NODE, else 0)")
     p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
     p.add_argument("--memory-budget", required=True, type=units.argparse_size,
                    help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
