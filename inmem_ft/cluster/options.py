@@ -67,16 +67,16 @@ def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> E
                           f"single node without it")
     options = ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
     try:
-        options.groups()
+        groups = options.groups()
     except ValueError as e:
         raise ConfigError(f"--parity {args.parity} --nodes {args.nodes}: {e}") from None
     try:
         peers = parse_peers(options.peers)
     except ValueError as e:
         raise ConfigError(f"--peers: {e}") from None
-    missing = sorted(set(options.groups().members(args.node)) - set(peers)) if 0 <= args.node < args.nodes else None
-    if missing is None:
+    if not 0 <= args.node < args.nodes:
         raise ConfigError(f"--node {args.node} is outside the job's --nodes {args.nodes} (0..{args.nodes - 1})")
+    missing = sorted(set(groups.members(args.node)) - set(peers))
     if missing:
         raise ConfigError(f"--peers lacks the address of node(s) {missing} of node {args.node}'s EC group")
     try:

@@ -92,8 +92,8 @@ def verdict(timeline: Timeline) -> str:
         text += (f"; the loss trajectory {same} the uninterrupted run's "
                  f"(final {timeline.reference.get(last)!r}), step by step")
     if timeline.missed:
-        text = f"FAILED: requested failure(s) never happened ({'; '.join(timeline.missed)}); " + text
-    return text
+        text = f"requested failure(s) never happened ({'; '.join(timeline.missed)}); " + text
+    return text if timeline.passed else "FAILED: " + text
 
 
 def write_json(timeline: Timeline, path: str) -> None:
