@@ -55,7 +55,7 @@ def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_tha
     assert timeline["missed"] == ["kill -9 rank 0 at step 99"] and timeline["passed"] is False
     assert "FAILED: requested failure(s) never happened (kill -9 rank 0 at step 99)" in second.stdout
     # Lines come out as they happen, before the verdict.
-    assert second.stdout.index("snapshot    step 3") < second.stdout.index("FAILED")
+    assert second.stdout.index("restore     no snapshot") < second.stdout.index("FAILED")
     # Every key=value line the trainers and SMPs logged carries the documented prefix.
     logged = [line for log in (work / "logs").glob("*.log") for line in log.read_text().splitlines()
               if re.search(r"\b(event|rank|node)=\S", line)]

@@ -97,7 +97,8 @@ class Supervisor:
         self.loss_log = os.path.join(work_dir, "loss.jsonl")
         self.timeline = Timeline()
         self._t0 = time.monotonic()
-        self._seen_snapshots: set[int] = set()
+        # (attempt, step) -> {rank: stall seconds} as each rank's heartbeat reported the snapshot
+        self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # None: reported
         self._lost_nodes: list[int] = []
         self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
         self._smp_logs: dict[int, int] = {}  # replaced node -> offset of its new SMP's lines in its log
@@ -177,13 +178,18 @@ class Supervisor:
         return True
 
     def _note_snapshots(self, beats: dict) -> None:
-        steps = [b.get("snapshot_step") for b in beats.values()]
-        if len(steps) == self.cluster.world_size and None not in steps and len(set(steps)) == 1:
-            step = steps[0]
-            if step not in self._seen_snapshots:
-                self._seen_snapshots.add(step)
-                stall = max(b["stall_s"] for b in beats.values())
-                self.event("snapshot", f"step {step}: training blocked {stall * 1e3:.1f} ms (slowest rank)", step)
+        """A snapshot once every rank has reported it (in any poll: ranks rarely sit on the same step at
+        once). A rank that took two snapshots between polls reports only the second; that step still shows."""
+        for rank, beat in beats.items():
+            if beat.get("snapshot_step") is not None:
+                key = (self.cluster.attempts, beat["snapshot_step"])
+                stalls = self._snapshots.setdefault(key, {})
+                if stalls is not None:
+                    stalls[rank] = beat["stall_s"]
+                    if len(stalls) == self.cluster.world_size:
+                        self._snapshots[key] = None  # reported
+                        self.event("snapshot", f"step {key[1]}: training blocked {max(stalls.values()) * 1e3:.1f} "
+                                               f"ms (slowest rank)", key[1])
 
     _REBUILD = re.compile(r"event=(rebuild_start|rebuilt|rebuild_failed) (.*)$")
 
