@@ -237,7 +237,7 @@ def phase_save(args) -> dict:
         try:
             repeat_saves(args, engine, ce, x, key, disk, rank, step_med, times, walls, nexts)
         except Exception as e:  # e.g. the decoupled engine under ZeRO-1 (requires_grad tensors on its queue)
-            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             times = []
         dist.barrier()
         if not times:
@@ -505,6 +505,10 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+PHASES = {"save": "training steps and DeepSpeed's engines, DCP", "inmem": "inmem_ft snapshots and restore",
+          "load": "stock disk load"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps (about 5 min on 2 cores)")
@@ -550,7 +554,9 @@ def main() -> int:
                             "--stage", str(stage), "--hidden", str(args.hidden), "--layers", str(args.layers),
                             "--disk-dir", disk_dir, "--tag", res.get("torch_engine_tag", "")]
                     argv += [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
-                    attempt = cluster.run(argv, timeout_s=1800)
+                    with report.phase(f"ZeRO-{stage} {PHASES[phase]}"):
+                        attempt = cluster.run(argv, timeout_s=1800,
+                                              poll=report.echo_worker(cluster, f"ZeRO-{stage} {phase}"))
                     if not attempt.ok:
                         print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:], file=sys.stderr)
                         return 1

@@ -8,6 +8,7 @@ survives a crash at any instant.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -126,7 +127,8 @@ class Snapshotter:
         target, work, error = None, None, None
         try:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
-                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
+                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
+                                   local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
             target = self._attach(reply["segment"])
             if not overlap:
                 target.for_writing()  # else the commit thread prefaults, off the training path

@@ -8,7 +8,6 @@ and an SMP per node. Deterministic on CPU: a resumed run reproduces the uninterr
 import argparse
 import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -173,8 +172,7 @@ def main() -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
 
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("inmem_ft").setLevel(logging.INFO)
+    inmem_ft.log_to_stderr()  # snapshot and restore lines, with the [inmem_ft] prefix, in each rank's log
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
     import deepspeed
     from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install

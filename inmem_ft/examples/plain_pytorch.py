@@ -5,7 +5,6 @@ snapshots its state into the node's SMP; after a crash the restarted ranks resum
 loss trajectory is bit-identical to a run that never failed.
 """
 import argparse
-import logging
 import os
 import signal
 
@@ -48,8 +47,7 @@ def main() -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
-    logging.getLogger("inmem_ft").setLevel(logging.INFO)  # snapshot and restore lines in each rank's log
+    inmem_ft.log_to_stderr()  # snapshot and restore lines in each rank's log
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

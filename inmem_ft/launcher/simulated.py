@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..cluster.options import ECOptions
 from ..smp import control, paths
-from ..smp.segments import names_with_prefix, unlink
 
 
 def free_port() -> int:
@@ -66,9 +66,12 @@ class SimulatedCluster:
         return paths.default_socket(self.job, node)
 
     # ---- SMPs ---------------------------------------------------------------------------------------------
+    def smp_log(self, node: int) -> str:
+        return os.path.join(self.log_dir, f"smp-node{node}.log")
+
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
-                                        os.path.join(self.log_dir, f"smp-node{node}.log"),
+                                        self.smp_log(node),
                                         extra_args=self.ec.argv() if self.ec else ["--peers", self.peers], env=self.env)
 
     def start(self) -> "SimulatedCluster":
@@ -83,8 +86,7 @@ class SimulatedCluster:
             proc.wait()
 
     def wipe_node(self, node: int) -> None:
-        for name in names_with_prefix(paths.segment_prefix(self.job, node)):
-            unlink(name)
+        control.wipe_segments(self.job, node)
 
     def lose_node(self, node: int) -> None:
         for rank, proc in self.procs.items():
@@ -142,18 +144,21 @@ class SimulatedCluster:
         self.procs = {}
         return attempt
 
-    def wait(self, timeout_s: float = 600.0) -> Attempt:
-        """Wait for the attempt; the first rank to fail brings down the others."""
+    def wait(self, timeout_s: float = 600.0, poll: Callable[[float], None] | None = None) -> Attempt:
+        """Wait for the attempt; the first rank to fail brings down the others. `poll(seconds so far)` runs
+        while it waits (progress reports)."""
         t0 = time.monotonic()
         while self.running() and not self.failed_ranks() and time.monotonic() - t0 < timeout_s:
+            if poll:
+                poll(time.monotonic() - t0)
             time.sleep(0.05)
         failed = self.failed_ranks()
         return self.end_attempt(t0, failed[0] if failed else None)
 
     def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0,
-            placement: dict[int, int] | None = None) -> Attempt:
+            placement: dict[int, int] | None = None, poll: Callable[[float], None] | None = None) -> Attempt:
         self.launch(argv, extra_env, placement)
-        return self.wait(timeout_s)
+        return self.wait(timeout_s, poll)
 
     def kill_ranks(self) -> None:
         for proc in self.procs.values():

@@ -17,9 +17,10 @@ import struct
 import threading
 import time
 
-from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
+from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
+from ..units import human
 from . import paths, protocol
 from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
@@ -73,6 +74,7 @@ class SMP:
         self.peers = None  # cluster.peers.Peers: links to the other SMPs (local-only without --peers)
         self.reads = None  # cluster.slotreads.SlotReads: serves catalog/read/pull, which may wait on peers
         self.stopping = False
+        self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -83,11 +85,12 @@ class SMP:
         old = self.slots[rank][index]
         in_use = self.used_bytes() - (old.segment.size if old else 0)
         if in_use + size > self.budget:
+            ranks = max(self.local_ranks, len(self.slots))
             raise RequestError("budget", (
-                f"node {self.node} memory budget exceeded: rank {rank} needs {SLOTS_PER_RANK} slots of "
-                f"{size / 2**20:.1f} MiB but {in_use / 2**20:.1f} of {self.budget / 2**20:.1f} MiB are in use; "
-                f"start the SMP with a larger --memory-budget (at least "
-                f"{SLOTS_PER_RANK * size * len(self.slots) / 2**20:.0f} MiB for {len(self.slots)} local ranks)"))
+                f"node {self.node} memory budget too small: rank {rank} needs {SLOTS_PER_RANK} slots of "
+                f"{human(size)} but {human(in_use)} of the {human(self.budget)} budget are in use; start the SMP "
+                f"with --memory-budget of at least {human(SLOTS_PER_RANK * size * ranks)} "
+                f"({SLOTS_PER_RANK} slots x {ranks} local rank(s), plus parity when erasure coding)"))
         generation = old.generation + 1 if old else 0
         if old is not None:
             old.segment.close()
@@ -175,6 +178,7 @@ class SMP:
         rank, step, keep = int(msg["rank"]), int(msg["step"]), msg.get("keep_step")
         man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
         size = seg.slot_size(man_len, data_len)
+        self.local_ranks = max(self.local_ranks, int(msg.get("local_ranks") or 0))
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
         pins = self._pins(slots, keep)
         if msg.get("reserve"):
@@ -469,6 +473,6 @@ class SMP:
 def check_budget_fits(budget_bytes: int) -> None:
     free = free_bytes()
     if budget_bytes > free:
-        raise SystemExit(
-            f"inmem-ft smp: memory budget {budget_bytes / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
-            f"in /dev/shm; lower --memory-budget or enlarge /dev/shm (mount -o remount,size=...)")
+        raise ConfigError(
+            f"memory budget {human(budget_bytes)} exceeds the {human(free)} free in /dev/shm; lower "
+            f"--memory-budget or enlarge /dev/shm (mount -o remount,size=...)")
