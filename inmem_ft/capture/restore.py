@@ -19,7 +19,6 @@ import torch.distributed as dist
 from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt, UnknownFormat
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
-from .agreement import all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
 NO_STEP = -1
@@ -180,7 +179,8 @@ class Restorer:
             data = None
         clock.mark("copy_verify")
         # Collective whatever happened above: the rank's data-parallel peers wait for it here.
-        replicated = replicated_region(snap, candidate.manifest, shm if data is None else data, step)
+        replicated = replicated_region(snap, candidate.manifest, shm if data is None else data, step,
+                                       header.data_off)
         clock.mark("replicated")
         if data is None:
             return None, candidate, header.data_len
@@ -203,10 +203,11 @@ class Restorer:
         return state
 
 
-def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int) -> torch.Tensor | None:
+def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_off: int) -> torch.Tensor | None:
     """The whole replicated region of `step` (private memory), from this rank's share in `data` and its
-    data-parallel peers' shares. Collective over the job: shares held by this node's SMP are copied straight
-    from their slots; if any rank has a peer elsewhere, the shares travel in an all-gather instead."""
+    data-parallel peers' shares. Collective over the data-parallel group (a tiny exchange of where each
+    share lives; `data_off`: where `data` starts in this rank's slot): shares held by this node's SMP are
+    copied straight out of their slots, only shares on other nodes travel, read through the local SMP."""
     rep = manifest.get("replicated")
     if not rep:
         return None
@@ -214,28 +215,29 @@ def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int) -> to
         raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
                              f"data-parallel ranks, this job has {snap.dp_size}; restart with the original "
                              f"layout (this release cannot reshard a snapshot)")
-    _, _, chunk = layout.share_bounds(rep["total"], snap.dp_rank, snap.dp_size)
-    out = torch.empty(chunk * snap.dp_size, dtype=torch.uint8)
-    mine = rep["hi"] - rep["lo"]
-    out[rep["lo"]: rep["hi"]] = data[rep["o"]: rep["o"] + mine]
+    out = torch.empty(rep["total"], dtype=torch.uint8)
+    out[rep["lo"]: rep["hi"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
     if snap.dp_size == 1:
-        return out[: rep["total"]]
+        return out
     peers = dist.get_process_group_ranks(snap._dp_gloo)
-    local = {q: _local_share(snap, q, step) for q in peers if q != snap.rank}
-    remote = any(v is None for v in local.values())
-    if -snap._agree.min(-int(remote)):  # some rank's peers are on other nodes: everyone all-gathers
-        share = out[snap.dp_rank * chunk: (snap.dp_rank + 1) * chunk]
-        share[mine:] = 0  # the last share's padding
-        return all_gather_bytes(share.clone(), snap._dp_gloo)[: rep["total"]]
-    for peer_share in local.values():
-        lo, hi, src = peer_share
-        out[lo:hi] = src
-    return out[: rep["total"]]
+    where = torch.tensor([snap.config.node, data_off + rep["o"]], dtype=torch.int64)
+    found = [torch.empty_like(where) for _ in peers]
+    dist.all_gather(found, where, group=snap._dp_gloo)
+    for dp_rank, (rank, (node, offset)) in enumerate(zip(peers, (t.tolist() for t in found))):
+        if rank == snap.rank:
+            continue
+        lo, hi, _ = layout.share_bounds(rep["total"], dp_rank, snap.dp_size)
+        local = _local_share(snap, rank, step) if node == snap.config.node else None
+        if local is not None:
+            out[lo:hi] = local
+        else:  # its owner is on another node (its SMP verifies the share's checksum as it serves it)
+            snap._smp.read(node, rank, step, offset, hi - lo, into=out[lo:hi].numpy())
+    return out
 
 
-def _local_share(snap, rank: int, step: int):
-    """(lo, hi, bytes) of `rank`'s replicated share of `step` if this node's SMP holds it, else None.
-    Its owner verifies it on its own copy; the vote after the restore covers it."""
+def _local_share(snap, rank: int, step: int) -> torch.Tensor | None:
+    """`rank`'s replicated share of `step` if this node's SMP holds it, else None. Its owner verifies it on
+    its own copy; the vote after the restore covers it."""
     for entry in snap._smp.call("list", rank=rank)["slots"]:
         if entry["step"] != step:
             continue
@@ -246,5 +248,5 @@ def _local_share(snap, rank: int, step: int):
             return None
         rep = manifest["replicated"]
         start = header.data_off + rep["o"]
-        return rep["lo"], rep["hi"], attached.bytes[start: start + rep["hi"] - rep["lo"]]
+        return attached.bytes[start: start + rep["hi"] - rep["lo"]]
     return None

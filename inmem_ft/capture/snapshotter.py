@@ -215,7 +215,8 @@ class Snapshotter:
         t0 = time.perf_counter()
         manifest = plan.manifest
         data = target.bytes[data_off: data_off + plan.data_len]
-        replicated = replicated_region(self, manifest, data, step)  # collective: outside the try, all ranks join
+        # Collective: outside the try, all ranks join.
+        replicated = replicated_region(self, manifest, data, step, data_off)
         ok = True
         try:
             self.disk.write(step, layout.unpack(manifest, data, replicated))
