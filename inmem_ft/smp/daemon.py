@@ -66,6 +66,7 @@ class SMP:
         self.prefix = paths.segment_prefix(job, node)
         self.slots: dict[int, list[Slot | None]] = {}
         self.writers: dict[int, tuple[int, int]] = {}  # rank -> (slot index, connection id)
+        self.moved: dict[int, int] = {}  # rank -> the complete step it committed on another node
         self.complete_step: int | None = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -180,6 +181,7 @@ class SMP:
         size = seg.slot_size(man_len, data_len)
         self.local_ranks = max(self.local_ranks, int(msg.get("local_ranks") or 0))
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+        self.moved.pop(rank, None)  # it runs here (again)
         pins = self._pins(slots, keep)
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
@@ -275,32 +277,43 @@ class SMP:
 
     def op_complete(self, msg, conn_id):
         self._record_complete(int(msg["step"]))
-        self._release_moved(self.complete_step)
-        if self.protector is not None:
+        self._mark_moved(self.complete_step)
+        if self.protector is None:
+            self.release_moved(self.complete_step)
+        else:
             self.protector.notify_complete(self.complete_step)
         return {}
 
-    def _release_moved(self, step: int) -> None:
+    def _mark_moved(self, step: int) -> None:
         """Every rank committed `step`: a rank with slots here but no committed `step` here now runs on another
-        node. Its slots would hold up protection (node data needs every local rank) and the budget."""
-        for rank in [r for r, slots in self.slots.items() if r not in self.writers and
-                     step not in {s.committed_step() for s in slots if s is not None}]:
-            held = sorted({s.committed_step() for s in self.slots[rank] if s is not None} - {None})
-            for slot in self.slots.pop(rank):
-                if slot is not None:
-                    slot.segment.close()
-                    slot.segment.unlink()
-            log.info("smp node=%d event=released rank=%d steps=%s reason=rank committed step %d on another node",
-                     self.node, rank, held, step)
+        node. It leaves this node's data from `step` on (protection encodes the ranks that run here)."""
+        for rank, slots in self.slots.items():
+            if rank not in self.writers and rank not in self.moved and \
+                    step not in {s.committed_step() for s in slots if s is not None}:
+                self.moved[rank] = step
+
+    def release_moved(self, step: int) -> None:
+        """Free the slots of ranks that moved away by `step`: once `step` is complete (with erasure coding,
+        protected), their older steps here are no longer what a restore or a rebuild uses."""
+        with self.lock:
+            for rank in [r for r, since in self.moved.items() if since <= step]:
+                del self.moved[rank]
+                held = sorted({s.committed_step() for s in self.slots.get(rank, []) if s is not None} - {None})
+                for slot in self.slots.pop(rank, []):
+                    if slot is not None:
+                        slot.segment.close()
+                        slot.segment.unlink()
+                log.info("smp node=%d event=released rank=%d steps=%s reason=rank committed step %d on another "
+                         "node", self.node, rank, held, step)
 
     # ---- the slot store: what protection and cross-node reads use ------------------------------------------
     def committed_views(self, step: int, ranks=None) -> dict[int, memoryview]:
-        """rank -> the used bytes of its committed slot of `step`, for every local rank (or those of `ranks`);
-        raises if one lacks it."""
+        """rank -> the used bytes of its committed slot of `step`, for every rank that runs here (or those of
+        `ranks`); raises if one lacks it."""
         with self.lock:
             out = {}
             for rank, slots in self.slots.items():
-                if ranks is not None and rank not in ranks:
+                if (ranks is not None and rank not in ranks) or (ranks is None and rank in self.moved):
                     continue
                 for slot in slots:
                     h = slot.header if slot is not None else None
@@ -311,9 +324,10 @@ class SMP:
             return out
 
     def complete_steps_held(self) -> list[int]:
-        """Steps every local rank holds committed."""
+        """Steps every rank that runs here holds committed."""
         with self.lock:
-            per_rank = [{s.committed_step() for s in slots if s is not None} - {None} for slots in self.slots.values()]
+            per_rank = [{s.committed_step() for s in slots if s is not None} - {None}
+                        for rank, slots in self.slots.items() if rank not in self.moved]
         return sorted(set.intersection(*per_rank)) if per_rank else []
 
     def committed(self, rank: int | None = None, step: int | None = None) -> list[tuple[int, Slot]]:
@@ -329,6 +343,7 @@ class SMP:
         default one holding no step this rank keeps (its newest)."""
         with self.lock:
             slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+            self.moved.pop(rank, None)  # it runs here (again)
             if index is None:
                 held = [s.committed_step() for s in slots if s is not None and s.committed_step() is not None]
                 index = self._choose(slots, {max(held)} if held else set())
