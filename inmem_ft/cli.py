@@ -116,7 +116,7 @@ def format_status(status: dict) -> str:
              f"memory  {units.human(status['used'])} used of {units.human(status['budget'])} budget",
              f"newest step held by every rank of this node: {status['held_step']}",
              f"newest step the trainers reported complete on every rank of the job: "
-             f"{'none since this SMP started' if complete is None else complete}",
+             f"{'none yet' if complete is None else complete}",
              f"{'rank':>6} {'slot':>4} {'state':<10} {'step':>8} {'bytes':>12}"]
     for rank in status["ranks"]:
         for slot in rank["slots"]:
@@ -240,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="every fragment of every rank of a step, where its bytes live "
                                              "(any node, or parity for a lost one) and whether each tensor is covered")
     _node_args(inspect)
-    inspect.add_argument("--step", type=int, default=None, help="default: the newest step held for every rank")
-    inspect.add_argument("--json", action="store_true")
+    inspect.add_argument("--step", type=int, default=None,
+                         help="the step to list (default: the newest step held for every rank)")
+    inspect.add_argument("--json", action="store_true", help="print the catalog as JSON (default: tables)")
     inspect.set_defaults(fn=cmd_inspect)
 
     launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "

@@ -117,12 +117,13 @@ def test_stop_status_and_wipe_tell_the_truth_across_an_smp_restart(job, runtime)
     assert cli("smp", "start", "--job", job, "--memory-budget", "64MiB").returncode == 0
     status = cli("smp", "status", "--job", job)
     assert "newest step held by every rank of this node: 2" in status.stdout
-    assert "reported complete on every rank of the job: none since this SMP started" in status.stdout
+    # ... and the newest step the job completed, remembered beside the slots across the restart.
+    assert "reported complete on every rank of the job: 2" in status.stdout
     assert json.loads(cli("smp", "status", "--job", job, "--json").stdout)["held_step"] == 2
     assert cli("smp", "stop", "--job", job).returncode == 0
-    assert len(names_with_prefix(f"inmemft.{job}.")) == 2
+    assert len(names_with_prefix(f"inmemft.{job}.")) == 3  # two slots and the record of the complete step
     wiped = cli("smp", "stop", "--job", job, "--wipe")  # no SMP: the segments are freed all the same
-    assert wiped.returncode == 0 and f"wiped 2 segment(s) of job {job} node 0" in wiped.stdout
+    assert wiped.returncode == 0 and f"wiped 3 segment(s) of job {job} node 0" in wiped.stdout
     assert names_with_prefix(f"inmemft.{job}.") == []
 
 
