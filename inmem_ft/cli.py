@@ -48,8 +48,10 @@ def cmd_smp_start(args) -> int:
     if args.memory_budget is None:
         raise ConfigError("give --memory-budget, or --config with a memory_budget in its inmem_ft block")
     ec = options_from_args(args)
-    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log,
-                         extra_args=ec.argv() if ec else ())
+    extra = ec.argv() if ec else []
+    if args.spill_dir:
+        extra += ["--spill-dir", os.path.abspath(args.spill_dir)]
+    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}")
     return 0
 
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a DeepSpeed config: memory_budget, parity and group_size of its inmem_ft block "
                             "fill in what the command line leaves out")
     start.add_argument("--log", default=None, help="log file (default: beside the socket)")
+    start.add_argument("--spill-dir", default=os.environ.get("INMEM_FT_SPILL_DIR"), metavar="DIR",
+                       help="on SIGTERM (preemption) the SMP writes the newest complete step to DIR/<job>/node<N>, "
+                            "and a new SMP with empty memory starts from it (default $INMEM_FT_SPILL_DIR)")
     add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")

@@ -6,7 +6,7 @@ import sys
 
 from .. import units
 from ..cluster.options import add_ec_arguments, make_protector, options_from_args
-from . import paths
+from . import paths, spill
 from .daemon import SMP, check_budget_fits
 
 
@@ -16,6 +16,9 @@ def main(argv=None) -> int:
     p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")))
     p.add_argument("--socket", default=None)
     p.add_argument("--memory-budget", required=True, type=units.parse_size)
+    p.add_argument("--spill-dir", default=None,
+                   help="on SIGTERM write the newest complete step to DIR/<job>/node<N>; start from it when "
+                        "shared memory holds nothing")
     add_ec_arguments(p)
     args = p.parse_args(argv)
     ec = options_from_args(args)
@@ -24,6 +27,9 @@ def main(argv=None) -> int:
     check_budget_fits(args.memory_budget)
     smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
     smp.adopt_existing()
+    if args.spill_dir:
+        smp.spill_dir = spill.node_dir(args.spill_dir, args.job, args.node)
+        spill.adopt(smp, smp.spill_dir)
     if ec is not None:
         smp.protector = make_protector(smp, ec)
         smp.protector.adopt()

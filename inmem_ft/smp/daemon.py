@@ -20,7 +20,7 @@ import time
 from ..errors import SnapshotCorrupt
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
-from . import paths, protocol
+from . import paths, protocol, spill
 from .segments import Segment, free_bytes, names_with_prefix, unlink
 
 log = logging.getLogger("inmem_ft.smp")
@@ -67,6 +67,7 @@ class SMP:
         self.started = time.time()
         self.protector = None  # a cluster.protection.Protector when erasure coding is on
         self.stopping = False
+        self.spill_dir: str | None = None  # where SIGTERM writes the newest complete step (smp/spill.py)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -302,6 +303,16 @@ class SMP:
                 if owner == conn_id:
                     self._drop_writer(rank, "trainer disconnected mid-write")
 
+    def terminate(self) -> None:
+        """SIGTERM: a preempted, cancelled or re-queued job. Spill first: memory may not outlive the job."""
+        if self.spill_dir is not None and not self.stopping:
+            self.stopping = True
+            try:
+                spill.spill(self, self.spill_dir)
+            except OSError as e:
+                log.error("smp node=%d event=spill_failed dir=%s reason=%s", self.node, self.spill_dir, e)
+        self.server.shutdown()
+
     # ---- serving ----------------------------------------------------------------------------------------
     def serve(self) -> None:
         paths.make_private_dir(os.path.dirname(self.socket_path))
@@ -340,7 +351,7 @@ class SMP:
         finally:
             os.umask(old_umask)
         self.server.daemon_threads = True
-        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.terminate).start())
         if self.protector is not None:
             self.protector.start()
         log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
