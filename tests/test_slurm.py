@@ -13,6 +13,7 @@ from conftest import ROOT
 from slurm_cluster import SlurmCluster, unavailable
 from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
 from test_launch_scripts import Nodes, script_env
+from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.telemetry import read_losses
 
 STAGE, DTYPE = 2, "fp32"
@@ -44,9 +45,10 @@ class Job:
                                  **ENV, **env), "SLURM_CONF": slurm.conf}
         self.loss_log = runtime / "loss.jsonl"
 
-    def submit(self, *train_args, wait=False, timeout_s=600) -> str:
-        argv = [*SBATCH, TIME_LIMIT, "--parsable", f"--output={self.runtime}/slurm-%j.out", *(["--wait"] if wait else []),
-                SCRIPT, *example(STAGE, DTYPE), "--loss-log", str(self.loss_log), *map(str, train_args)]
+    def submit(self, *train_args, wait=False, steps=STEPS, loss_log=None, timeout_s=600) -> str:
+        argv = [*SBATCH, TIME_LIMIT, "--parsable", f"--output={self.runtime}/slurm-%j.out",
+                *(["--wait"] if wait else []), SCRIPT, *example(STAGE, DTYPE, steps),
+                "--loss-log", str(loss_log or self.loss_log), *map(str, train_args)]
         proc = self.slurm.run(*argv, env=self.env, cwd=ROOT, timeout_s=timeout_s)
         job_id = proc.stdout.strip().split(";")[0]
         if not job_id.isdigit() or (wait and proc.returncode != 0):
@@ -123,3 +125,73 @@ def test_rank_killed_recovers_from_memory_with_the_same_losses(slurm, submit, tm
     steps = steps_run(j.loss_log)
     assert steps == list(range(1, 8)) + list(range(7, STEPS + 1))
     assert read_losses(j.loss_log) == ref
+
+
+LONG = 60  # steps of the jobs stopped from outside: long enough that the stop comes mid-training
+
+
+def wait_step(loss_log, step, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(loss_log) and max(read_losses(loss_log), default=0) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{loss_log}: step {step} not reached within {timeout_s} s")
+
+
+def attempts(loss_log) -> list[dict[int, float]]:
+    """The loss log split where the steps go back (a restart): one {step: loss} per attempt."""
+    out = []
+    for line in open(loss_log):
+        rec = json.loads(line)
+        if not out or rec["step"] <= max(out[-1]):
+            out.append({})
+        out[-1][rec["step"]] = rec["loss"]
+    return out
+
+
+def spilled(spill_dir, job) -> dict[int, list[str]]:
+    """node -> the spill files of that node."""
+    base = spill_dir / job
+    return {int(d.name[4:]): sorted(f.name for f in d.iterdir()) for d in sorted(base.iterdir())}
+
+
+def wipe_memory(job):
+    """What a reboot or another job's cleanup does to the nodes' shared memory."""
+    for seg in names_with_prefix(f"inmemft.{job}."):
+        unlink(seg)
+
+
+@pytest.mark.slow
+def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_it(slurm, submit, runtime):
+    spill = runtime / "spill"
+    j = submit(INMEM_FT_SPILL_DIR=spill)
+    first = j.submit(steps=LONG)
+    wait_step(j.loss_log, 8)
+    assert slurm.run("scancel", first).returncode == 0  # SIGTERM now, SIGKILL after the grace time
+    j.wait_state(first, {"CANCELLED"})
+    out = j.output(first)
+    for node in (0, 1):
+        assert f"[inmem_ft] launch node={node} event=signal sig=TERM" in out
+        assert re.search(f"launch node={node} event=smp_stopped wiped=0 by=SIGTERM", out), out[-4000:]
+    files = spilled(spill, j.job)
+    step = int(re.search(r"step(\d+)", files[0][0])[1])
+    assert files == {0: [f"r0.step{step}.slot", f"r1.step{step}.slot"],
+                     1: [f"r2.step{step}.slot", f"r3.step{step}.slot"]}
+    for node in (0, 1):
+        assert f"event=spill step={step} ranks=2" in (runtime / "run" / j.job / f"node{node}.log").read_text()
+    before = read_losses(j.loss_log)
+    assert step >= 8 and step % INTERVAL == 0 and max(before) >= step
+
+    wipe_memory(j.job)  # the nodes go to the preempting job: nothing of ours stays in memory
+    resumed_log = runtime / "resumed.jsonl"
+    second = j.submit(steps=LONG, loss_log=resumed_log, wait=True)
+    out = j.output(second)
+    for rank in range(4):
+        assert f"restore rank={rank} step={step} source=disk_spill" in out
+    for node in (0, 1):
+        assert f"event=adopt rank={2 * node} slot=0 step={step} from=disk" in (
+            runtime / "run" / j.job / f"node{node}.log").read_text()
+    resumed = read_losses(resumed_log)
+    assert sorted(resumed) == list(range(step + 1, LONG + 1))
+    assert {s: resumed[s] for s in before if s > step} == {s: before[s] for s in before if s > step}
