@@ -175,11 +175,12 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
         assert f"[inmem_ft] launch node={node} event=signal sig=TERM" in out
         assert re.search(f"launch node={node} event=smp_stopped wiped=0 by=SIGTERM", out), out[-4000:]
     files = spilled(spill, j.job)
-    step = int(re.search(r"step(\d+)", files[0][0])[1])
-    assert files == {0: [f"r0.step{step}.slot", f"r1.step{step}.slot"],
-                     1: [f"r2.step{step}.slot", f"r3.step{step}.slot"]}
+    steps = {node: {int(m) for f in names for m in re.findall(r"step(\d+)", f)} for node, names in files.items()}
+    assert files == {node: sorted(f"r{r}.step{s}.slot" for r in (2 * node, 2 * node + 1) for s in steps[node])
+                     for node in (0, 1)}
+    step = max(steps[0] & steps[1])  # the newest step complete on every rank
     for node in (0, 1):
-        assert f"event=spill step={step} ranks=2" in (runtime / "run" / j.job / f"node{node}.log").read_text()
+        assert "event=spill steps=" in (runtime / "run" / j.job / f"node{node}.log").read_text()
     before = read_losses(j.loss_log)
     assert step >= 8 and step % INTERVAL == 0 and max(before) >= step
 
@@ -190,8 +191,36 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     for rank in range(4):
         assert f"restore rank={rank} step={step} source=disk_spill" in out
     for node in (0, 1):
-        assert f"event=adopt rank={2 * node} slot=0 step={step} from=disk" in (
+        assert f"event=adopt rank={2 * node} slot=0 step={max(steps[node])} from=disk" in (
             runtime / "run" / j.job / f"node{node}.log").read_text()
     resumed = read_losses(resumed_log)
     assert sorted(resumed) == list(range(step + 1, LONG + 1))
     assert {s: resumed[s] for s in before if s > step} == {s: before[s] for s in before if s > step}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", ["kept", "wiped"])
+def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_disk(slurm, submit, runtime, memory):
+    j = submit(INMEM_FT_SPILL_DIR=runtime / "spill")
+    job_id = j.submit(steps=LONG)
+    wait_step(j.loss_log, 8)
+    # Wiped: held while the first allocation's memory is lost, then let go.
+    assert slurm.run("scontrol", "requeue" if memory == "kept" else "requeuehold", job_id).returncode == 0
+    j.wait_state(job_id, {"PENDING"})
+    j.wait_for(job_id, r"(?s)(event=smp_stopped.*){2}")
+    if memory == "wiped":
+        wipe_memory(j.job)
+    # SLURM holds a re-queued job back for two minutes (its BeginTime); an operator in a hurry does this too.
+    assert slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+    if memory == "wiped":
+        assert slurm.run("scontrol", "release", job_id).returncode == 0
+    j.wait_state(job_id, {"COMPLETED"})
+    out = j.output(job_id)
+    assert "restart=0" in out and "restart=1" in out
+    restores = set(re.findall(r"restore rank=(\d) step=(\d+) source=(\w+)", out))
+    step = int(next(iter(restores))[1])
+    source = {"kept": "memory", "wiped": "disk_spill"}[memory]
+    assert restores == {(str(rank), str(step), source) for rank in range(4)}
+    first, second = attempts(j.loss_log)
+    assert sorted(second) == list(range(step + 1, LONG + 1))
+    assert step >= 8 and {s: second[s] for s in first if s > step} == {s: first[s] for s in first if s > step}

@@ -1,8 +1,9 @@
 """The SMP's disk spill: what a stopped job (preempted, cancelled, re-queued) keeps when memory goes too.
 
-On SIGTERM the SMP writes this node's slots of the newest step complete on every rank into its spill
-directory, and an SMP that starts with nothing of its own in shared memory takes them back. No trainer
-is needed for either, so a preemption's grace time only has to cover one sequential write per node.
+On SIGTERM the SMP writes this node's slots of the newest step complete on every rank (and any newer
+committed one) into its spill directory, and an SMP that starts with nothing of its own in shared memory
+takes them back. No trainer is needed for either, so a preemption's grace time only has to cover one
+sequential write per node.
 
 The files are raw slot bytes (header, manifest, tensor bytes): self-describing and checksummed, so a
 spilled slot is verified exactly like one found in /dev/shm before anyone can restore it, and nothing
@@ -29,38 +30,42 @@ def node_dir(base: str, job: str, node: int) -> str:
     return os.path.join(base, job, f"node{node}")
 
 
-def step_to_spill(smp) -> int | None:
-    """The job's complete step if every local rank holds it; without one (nothing reported it since this
-    SMP started), the newest step every local rank holds."""
-    held = [{s.committed_step() for s in slots if s is not None} - {None} for slots in smp.slots.values()]
-    common = set.intersection(*held) if held else set()
-    if smp.complete_step is not None:
-        return smp.complete_step if smp.complete_step in common else None
-    return max(common, default=None)
+def steps_to_spill(smp) -> set[int]:
+    """Every committed step not older than the job's complete step. The SMPs of a job learn of a complete
+    step at slightly different times, so one node's newest complete step may be the next one on another:
+    restore takes the newest step found on every rank, which needs both nodes' candidates on disk."""
+    floor = smp.complete_step if smp.complete_step is not None else -1
+    return {step for slots in smp.slots.values() for s in slots if s is not None
+            for step in [s.committed_step()] if step is not None and step >= floor}
 
 
-def spill(smp, directory: str) -> int | None:
-    """Write the step to keep; return it (None: nothing complete to write)."""
+def spill(smp, directory: str) -> list[int]:
+    """Write those steps' slots; return the steps written."""
     with smp.lock:  # no begin may reuse a slot while it is being written out
-        step = step_to_spill(smp)
-        if step is None:
-            log.warning("smp node=%d event=spill step=none reason=no step is held by every local rank", smp.node)
-            return None
+        steps = steps_to_spill(smp)
+        if not steps:
+            log.warning("smp node=%d event=spill steps=none reason=no committed step at or after the complete "
+                        "step %s", smp.node, smp.complete_step)
+            return []
         os.makedirs(directory, mode=0o700, exist_ok=True)
         written = set()
         for rank, slots in sorted(smp.slots.items()):
-            slot = next(s for s in slots if s is not None and s.committed_step() == step)
-            header = slot.header
-            name = f"r{rank}.step{step}.slot"
-            atomic_write(os.path.join(directory, name),
-                         lambda f, n=header.data_off + header.data_len, b=slot.segment.buf: f.write(b[:n]))
-            written.add(name)
+            for slot in slots:
+                step = slot.committed_step() if slot is not None else None
+                if step not in steps:
+                    continue
+                header = slot.header
+                name = f"r{rank}.step{step}.slot"
+                atomic_write(os.path.join(directory, name),
+                             lambda f, n=header.data_off + header.data_len, b=slot.segment.buf: f.write(b[:n]))
+                written.add(name)
         for old in os.listdir(directory):
             if _FILE.match(old) and old not in written:
                 os.unlink(os.path.join(directory, old))
         fsync_dir(directory)
-    log.info("smp node=%d event=spill step=%d ranks=%d dir=%s", smp.node, step, len(written), directory)
-    return step
+    log.info("smp node=%d event=spill steps=%s files=%d dir=%s", smp.node, ",".join(map(str, sorted(steps))),
+             len(written), directory)
+    return sorted(steps)
 
 
 def adopt(smp, directory: str) -> None:
