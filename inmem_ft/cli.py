@@ -36,6 +36,8 @@ def apply_config_block(args) -> None:
         raise ConfigError(f"{args.config} has no \"inmem_ft\" block")
     if args.memory_budget is None:
         args.memory_budget = block.memory_budget
+    if args.spill_dir is None:
+        args.spill_dir = block.spill_dir
     if args.parity is None and block.parity:
         args.parity, args.group_size = block.parity, args.group_size or block.group_size
     if block.job and args.job == "default":
@@ -125,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--memory-budget", type=units.parse_size, default=None,
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB")
     start.add_argument("--config", default=None, metavar="JSON",
-                       help="a DeepSpeed config: memory_budget, parity and group_size of its inmem_ft block "
-                            "fill in what the command line leaves out")
+                       help="a DeepSpeed config: memory_budget, parity, group_size and spill_dir of its inmem_ft "
+                            "block fill in what the command line leaves out")
     start.add_argument("--log", default=None, help="log file (default: beside the socket)")
     start.add_argument("--spill-dir", default=os.environ.get("INMEM_FT_SPILL_DIR"), metavar="DIR",
                        help="on SIGTERM (preemption) the SMP writes the newest complete step to DIR/<job>/node<N>, "

@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 import time
 
+from test_launch_scripts import free_port
+
 NODES = ("n0", "n1")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
 GRACE_S = 60  # KillWait: what a signalled job has between SIGTERM and SIGKILL (the preemption grace time)
@@ -35,12 +37,6 @@ def unavailable() -> str | None:
     except KeyError:
         return "user 'munge' does not exist (install the munge package)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """\
@@ -125,7 +121,7 @@ class SlurmCluster:
         self.pids[name] = int(open(pid_file).read())
 
     def kill_node(self, node: str) -> None:
-        """The node dies: its slurmd and every job process it started (slurmstepd and below) get SIGKILL."""
+        """The node dies: its slurmd and every job process on it (slurmstepd and below) get SIGKILL."""
         victims = [self.pids.pop(node)] + self.step_pids(node)
         for pid in victims:
             try:
@@ -135,28 +131,27 @@ class SlurmCluster:
         shutil.rmtree(os.path.join(self.dir, "spool", node), ignore_errors=True)  # a replacement starts bare
 
     def step_pids(self, node: str) -> list[int]:
-        """slurmstepd processes of `node` (their spool dir is the node's) and all their descendants."""
-        spool = os.path.join(self.dir, "spool", node)
-        children: dict[int, list[int]] = {}
-        roots = []
+        """Every process of a job on `node` (its tasks carry SLURMD_NODENAME and this cluster's SLURM_CONF,
+        and so does whatever they start, the SMP included) and the slurmstepd above them."""
+        marks = (f"SLURMD_NODENAME={node}\0".encode(), f"SLURM_CONF={self.conf}\0".encode())
+        out = set()
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    environ = b"\0" + f.read()
+                if not all(b"\0" + m in environ for m in marks):
+                    continue
                 with open(f"/proc/{entry}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-                if open(f"/proc/{entry}/comm").read().strip() == "slurmstepd" and os.readlink(
-                        f"/proc/{entry}/cwd").startswith(spool):
-                    roots.append(int(entry))
+                out.add(int(entry))
+                with open(f"/proc/{ppid}/comm") as f:
+                    if f.read().strip() == "slurmstepd":
+                        out.add(ppid)
             except (OSError, IndexError, ValueError):
                 continue
-        out, todo = [], roots
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo += children.get(pid, [])
-        return out
+        return sorted(out)
 
     def stop(self) -> None:
         """Cancel every job, stop every daemon this cluster started (by pid), remove its files."""
@@ -164,7 +159,7 @@ class SlurmCluster:
             subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=self.env,
                            capture_output=True, timeout=30)
             subprocess.run(["scancel", "--user=root"], env=self.env, capture_output=True, timeout=30)
-            self._wait(lambda: not self.squeue(), 30)
+            self.wait_until(lambda: not self.squeue(), 30)
         for node in NODES:
             if node in self.pids:
                 for pid in self.step_pids(node):
@@ -179,7 +174,7 @@ class SlurmCluster:
                     os.kill(pid, signal.SIGTERM)
                 except ProcessLookupError:
                     continue
-                if not self._wait(lambda: not os.path.exists(f"/proc/{pid}"), 15):
+                if not self.wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 15):
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -193,7 +188,7 @@ class SlurmCluster:
         return dict(zip(out[::2], out[1::2]))
 
     def wait_idle(self, nodes, timeout_s: float) -> None:
-        if not self._wait(lambda: all(self.node_states().get(n) == "idle" for n in nodes), timeout_s):
+        if not self.wait_until(lambda: all(self.node_states().get(n) == "idle" for n in nodes), timeout_s):
             raise RuntimeError(f"nodes {nodes} not idle within {timeout_s:.0f} s: sinfo says "
                                f"{self.node_states()}; see {self.dir}/log")
 
@@ -205,7 +200,7 @@ class SlurmCluster:
         return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith(field + "=")), "")
 
     @staticmethod
-    def _wait(cond, timeout_s: float) -> bool:
+    def wait_until(cond, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if cond():

@@ -12,7 +12,9 @@ import pytest
 from conftest import ROOT
 from slurm_cluster import SlurmCluster, unavailable
 from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
-from test_launch_scripts import Nodes, script_env
+from test_launch_scripts import Nodes, free_port, script_env
+from inmem_ft.errors import SMPUnavailable
+from inmem_ft.smp import control
 from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.telemetry import read_losses
 
@@ -128,6 +130,7 @@ def test_rank_killed_recovers_from_memory_with_the_same_losses(slurm, submit, tm
 
 
 LONG = 60  # steps of the jobs stopped from outside: long enough that the stop comes mid-training
+LONG_EC = 300  # with time for the EC group to protect a step, and for SLURM to notice a lost node
 
 
 def wait_step(loss_log, step, timeout_s=300):
@@ -139,15 +142,16 @@ def wait_step(loss_log, step, timeout_s=300):
     raise AssertionError(f"{loss_log}: step {step} not reached within {timeout_s} s")
 
 
-def attempts(loss_log) -> list[dict[int, float]]:
-    """The loss log split where the steps go back (a restart): one {step: loss} per attempt."""
-    out = []
-    for line in open(loss_log):
-        rec = json.loads(line)
-        if not out or rec["step"] <= max(out[-1]):
-            out.append({})
-        out[-1][rec["step"]] = rec["loss"]
-    return out
+def logged(loss_log) -> list[tuple[int, float]]:
+    """(step, loss) in the order the loss log got them, across restarts."""
+    return [(rec["step"], rec["loss"]) for rec in map(json.loads, open(loss_log))]
+
+
+def assert_resumed_exactly(first: dict, second: dict, step: int, last: int = LONG) -> None:
+    """The second allocation ran step+1..last, and every step both ran has the very same loss."""
+    assert step >= 8 and step % INTERVAL == 0
+    assert sorted(second) == list(range(step + 1, last + 1))
+    assert {s: second[s] for s in first if s > step} == {s: first[s] for s in first if s > step}
 
 
 def spilled(spill_dir, job) -> dict[int, list[str]]:
@@ -182,7 +186,6 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     for node in (0, 1):
         assert "event=spill steps=" in (runtime / "run" / j.job / f"node{node}.log").read_text()
     before = read_losses(j.loss_log)
-    assert step >= 8 and step % INTERVAL == 0 and max(before) >= step
 
     wipe_memory(j.job)  # the nodes go to the preempting job: nothing of ours stays in memory
     resumed_log = runtime / "resumed.jsonl"
@@ -193,9 +196,7 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     for node in (0, 1):
         assert f"event=adopt rank={2 * node} slot=0 step={max(steps[node])} from=disk" in (
             runtime / "run" / j.job / f"node{node}.log").read_text()
-    resumed = read_losses(resumed_log)
-    assert sorted(resumed) == list(range(step + 1, LONG + 1))
-    assert {s: resumed[s] for s in before if s > step} == {s: before[s] for s in before if s > step}
+    assert_resumed_exactly(before, read_losses(resumed_log), step)
 
 
 @pytest.mark.slow
@@ -208,6 +209,7 @@ def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_dis
     assert slurm.run("scontrol", "requeue" if memory == "kept" else "requeuehold", job_id).returncode == 0
     j.wait_state(job_id, {"PENDING"})
     j.wait_for(job_id, r"(?s)(event=smp_stopped.*){2}")
+    before = len(logged(j.loss_log))  # the first allocation's trainers are gone
     if memory == "wiped":
         wipe_memory(j.job)
     # SLURM holds a re-queued job back for two minutes (its BeginTime); an operator in a hurry does this too.
@@ -221,6 +223,46 @@ def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_dis
     step = int(next(iter(restores))[1])
     source = {"kept": "memory", "wiped": "disk_spill"}[memory]
     assert restores == {(str(rank), str(step), source) for rank in range(4)}
-    first, second = attempts(j.loss_log)
-    assert sorted(second) == list(range(step + 1, LONG + 1))
-    assert step >= 8 and {s: second[s] for s in first if s > step} == {s: first[s] for s in first if s > step}
+    lines = logged(j.loss_log)
+    assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step)
+
+
+def protected_step(runtime, job, node):
+    sock = runtime / "run" / job / f"node{node}.sock"
+    try:
+        return control.call(str(sock), "status")["ec"]["protected_step"]
+    except (OSError, SMPUnavailable):
+        return None
+
+
+@pytest.mark.slow
+def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical(slurm, submit, runtime, job):
+    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port())
+    job_id = j.submit(steps=LONG_EC)
+    wait_step(j.loss_log, 8)
+    assert slurm.wait_until(lambda: all((protected_step(runtime, job, n) or 0) >= 8 for n in (0, 1)), 120)
+    assert slurm.job_field(job_id, "JobState") == "RUNNING"
+    # n1 dies: its slurmd, every process of its job step (its SMP too), its shared memory.
+    smp1 = control.call(str(runtime / "run" / job / "node1.sock"), "status")["pid"]
+    slurm.kill_node("n1")
+    assert slurm.wait_until(lambda: not os.path.exists(f"/proc/{smp1}"), 30)
+    for seg in names_with_prefix(f"inmemft.{job}.n1."):
+        unlink(seg)
+    # SLURM notices (SlurmdTimeout), marks n1 down and re-queues the job; a replacement n1 comes up.
+    assert slurm.wait_until(lambda: slurm.node_states().get("n1", "").startswith("down"), 120), slurm.node_states()
+    slurm.start_node("n1")
+    slurm.wait_idle(["n1"], 120)
+    j.wait_state(job_id, {"PENDING"})
+    j.wait_for(job_id, r"launch node=0 event=smp_stopped")
+    before = len(logged(j.loss_log))  # the first allocation's trainers are gone
+    assert slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+    j.wait_state(job_id, {"COMPLETED"})
+    out = j.output(job_id)
+    assert "restart=1" in out
+    restores = set(re.findall(r"restore rank=(\d) step=(\d+) source=(\w+)", out))
+    step = int(next(iter(restores))[1])
+    assert restores == {("0", str(step), "memory"), ("1", str(step), "memory"),
+                        ("2", str(step), "peer_reconstruction"), ("3", str(step), "peer_reconstruction")}
+    assert "event=rebuild_start" in (runtime / "run" / job / "node1.log").read_text()
+    lines = logged(j.loss_log)
+    assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step, LONG_EC)

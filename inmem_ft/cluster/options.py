@@ -21,6 +21,7 @@ class ECOptions:
     group_size: int | None = None  # default: groups.default_group_size
     secret_file: str | None = None  # default: INMEM_FT_SECRET
     bandwidth: int | None = None  # bytes/s of outgoing parity traffic; None: uncapped
+    peer_wait_s: float = 0.0  # an empty SMP waits this long for peers not yet listening (see Protector)
 
     def groups(self) -> Groups:
         if self.group_size is None:
@@ -35,6 +36,8 @@ class ECOptions:
             out += ["--secret-file", self.secret_file]
         if self.bandwidth:
             out += ["--ec-bandwidth", str(self.bandwidth)]
+        if self.peer_wait_s:
+            out += ["--peer-wait", str(self.peer_wait_s)]
         return out
 
 
@@ -48,6 +51,9 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--secret-file", default=None, help="per-job secret (mode 0600); default $INMEM_FT_SECRET")
     g.add_argument("--ec-bandwidth", type=units.parse_size, default=None, metavar="BYTES_PER_S",
                    help="cap on outgoing parity traffic, bytes per second")
+    g.add_argument("--peer-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="an SMP starting with empty memory waits this long for peers that do not answer yet "
+                        "before it concludes there is nothing to rebuild (for SMPs started together)")
 
 
 def options_from_args(args: argparse.Namespace) -> ECOptions | None:
@@ -55,11 +61,12 @@ def options_from_args(args: argparse.Namespace) -> ECOptions | None:
         return None
     if args.nodes is None or not args.peers:
         raise SystemExit("erasure coding (--parity) needs --nodes and --peers NODE=HOST:PORT,...")
-    return ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
+    return ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth,
+                     args.peer_wait)
 
 
 def make_protector(smp, options: ECOptions):
     from .protection import Protector
 
     return Protector(smp, options.groups(), parse_peers(options.peers), load_secret(options.secret_file),
-                     options.bandwidth)
+                     options.bandwidth, options.peer_wait_s)
