@@ -14,8 +14,8 @@
 #   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun
 #      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
 #      and the restarted ranks restore from the SMPs, which outlive the restarts;
-#   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (after a signal with
-#      SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). The snapshots stay
+#   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
+#      with SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). The snapshots stay
 #      in shared memory (/dev/shm/inmemft.<job>.*) so that a re-queued job under the same job id resumes
 #      from them; set INMEM_FT_WIPE_ON_EXIT=1 to delete them instead (then free them yourself otherwise:
 #      `inmem-ft smp start ... && inmem-ft smp stop --wipe`, or remove /dev/shm/inmemft.<job>.*).
@@ -148,14 +148,18 @@ node_args=(--job "$INMEM_FT_JOB" --node "$NODE_RANK" --socket "$INMEM_FT_SMP_SOC
 smp_pid=""
 torchrun_pid=""
 signalled=""
+smp_done=""
 # shellcheck disable=SC2317  # called from traps
-on_signal() {  # before torchrun runs: exit (the EXIT trap stops the SMP); after: tell torchrun to stop
+on_signal() {  # before torchrun runs: exit (the EXIT trap stops the SMP); after: stop torchrun and the SMP
     log "signal sig=$1"
     signalled="$1"
     if [[ -z "$torchrun_pid" ]]; then
         exit $((128 + $(kill -l "$1")))
     fi
     kill -TERM "$torchrun_pid" 2>/dev/null
+    # The SMP stops (and spills) at once: torchrun can take longer than the grace time before SIGKILL
+    # (an agent whose rendezvous host is gone waits on it), and the snapshots in memory are already whole.
+    stop_smp
 }
 for sig in TERM INT HUP; do
     # shellcheck disable=SC2064  # expand $sig now
@@ -167,6 +171,8 @@ alive() { [[ -r "/proc/$1/status" ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/
 # shellcheck disable=SC2317  # called from the EXIT trap
 stop_smp() {
     local wipe=() rc pid
+    [[ -n "$smp_done" ]] && return
+    smp_done=1
     if [[ -n "$signalled" && "${INMEM_FT_WIPE_ON_EXIT:-0}" != 1 ]]; then
         # Stopped from outside (preemption, scancel, requeue, time limit): the SMP gets SIGTERM, on which it
         # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one.

@@ -174,7 +174,7 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     wait_step(j.loss_log, 8)
     assert slurm.run("scancel", first).returncode == 0  # SIGTERM now, SIGKILL after the grace time
     j.wait_state(first, {"CANCELLED"})
-    out = j.output(first)
+    out = j.wait_for(first, r"(?s)(event=smp_stopped.*){2}").string  # the state changes first
     for node in (0, 1):
         assert f"[inmem_ft] launch node={node} event=signal sig=TERM" in out
         assert re.search(f"launch node={node} event=smp_stopped wiped=0 by=SIGTERM", out), out[-4000:]
