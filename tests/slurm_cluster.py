@@ -109,6 +109,8 @@ class SlurmCluster:
 
     def _daemon(self, name: str, argv: list[str], pid_file: str) -> None:
         """Run a daemon that forks into the background and writes its pid file; remember its pid."""
+        if os.path.exists(pid_file):
+            os.unlink(pid_file)  # a killed predecessor's (a replaced node's): not the pid to remember
         proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} did not start (rc {proc.returncode}): {proc.stderr.strip()}; "
