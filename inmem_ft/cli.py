@@ -62,6 +62,8 @@ def apply_config_block(args) -> str | None:
         raise ConfigError(f"{args.config} has no \"inmem_ft\" block")
     if args.memory_budget is None:
         args.memory_budget = block.memory_budget
+    if args.spill_dir is None:
+        args.spill_dir = block.spill_dir
     if block.job and args.job == "default":
         args.job = block.job
     if args.parity is None and block.parity:
@@ -80,8 +82,10 @@ def cmd_smp_start(args) -> int:
         print(f"inmem-ft: warning: a memory budget of {units.human(args.memory_budget)} holds two snapshots "
               f"of only {units.human(args.memory_budget / 2)} for all of this node's ranks together; the first "
               f"snapshot fails if they need more", file=sys.stderr)
-    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log,
-                         extra_args=ec.argv() if ec else ())
+    extra = ec.argv() if ec else []
+    if args.spill_dir:
+        extra += ["--spill-dir", os.path.abspath(args.spill_dir)]
+    proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
           f"{'' if ec is None else f', erasure coding with m={ec.parity} across {ec.nodes} nodes'}")
     return 0
@@ -222,9 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB "
                             "(default: the config's memory_budget)")
     start.add_argument("--config", default=None, metavar="JSON",
-                       help="a DeepSpeed config: memory_budget, parity and group_size of its inmem_ft block "
-                            "fill in what the command line leaves out (default: none)")
+                       help="a DeepSpeed config: memory_budget, parity, group_size and spill_dir of its inmem_ft "
+                            "block fill in what the command line leaves out (default: none)")
     start.add_argument("--log", default=None, metavar="PATH", help="log file (default: beside the socket)")
+    start.add_argument("--spill-dir", default=os.environ.get("INMEM_FT_SPILL_DIR"), metavar="DIR",
+                       help="on SIGTERM (preemption) the SMP writes the newest complete step to DIR/<job>/node<N>, "
+                            "and a new SMP with empty memory starts from it (default: $INMEM_FT_SPILL_DIR)")
     add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")

@@ -103,7 +103,7 @@ def _is_int(v) -> bool:
 @dataclass(frozen=True)
 class InmemFTBlock:
     """The `"inmem_ft": {...}` block of a framework config (DeepSpeed JSON), shared by the trainer-side
-    adapter and, for its SMP-side keys (memory_budget, group_size, parity), by `inmem-ft smp start`."""
+    adapter and, for its SMP-side keys (memory_budget, group_size, parity, spill_dir), by `inmem-ft smp start`."""
 
     enabled: bool = True
     interval: int = 100
@@ -127,6 +127,8 @@ class InmemFTBlock:
     timeout_s: float = 600.0
     start_fresh: bool | None = None
     """Train from scratch when snapshots of a completed step cannot be restored (default: fail, keep them)."""
+    spill_dir: str | None = None
+    """SMP-side: where the SMP writes its newest complete step on SIGTERM (preemption), and starts from."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -156,6 +158,8 @@ class InmemFTBlock:
             bad("persist_every", "must be an integer >= 0 (0 or null: no disk tier)")
         if self.persist_dir is not None and (not isinstance(self.persist_dir, str) or not self.persist_dir):
             bad("persist_dir", "must be a directory path")
+        if self.spill_dir is not None and (not isinstance(self.spill_dir, str) or not self.spill_dir):
+            bad("spill_dir", "must be a directory path")
         if self.persist_every and not self.persist_dir:
             bad("persist_every", "needs 'persist_dir'")
         self.snapshot_config()  # interval, on_error, staging_budget, timeout_s: checked where they live

@@ -14,7 +14,8 @@
 #   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun
 #      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
 #      and the restarted ranks restore from the SMPs, which outlive the restarts;
-#   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP. The snapshots stay
+#   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
+#      with SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). The snapshots stay
 #      in shared memory (/dev/shm/inmemft.<job>.*) so that a re-queued job under the same job id resumes
 #      from them; set INMEM_FT_WIPE_ON_EXIT=1 to delete them instead (then free them yourself otherwise:
 #      `inmem-ft smp start ... && inmem-ft smp stop --wipe`, or remove /dev/shm/inmemft.<job>.*).
@@ -27,6 +28,7 @@
 #                           is required when NNODES > 1). NODE_RANK is also the SMP's node id.
 #   INMEM_FT_MAX_RESTARTS   torchrun --max-restarts (default 3)
 #   INMEM_FT_RDZV_BACKEND   torchrun rendezvous: c10d (default) or static (see below)
+#   INMEM_FT_LOCAL_ADDR     this node's address for torchrun (--local-addr); c10d orders the nodes by it
 #   INMEM_FT_SECRET / INMEM_FT_SECRET_FILE
 #                           the per-job SMP-to-SMP secret (erasure coding across nodes), as a value or as
 #                           a file that only its owner can read (mode 0600). It is put in the SMP's
@@ -34,14 +36,20 @@
 #   INMEM_FT_SMP_ARGS       extra arguments for `inmem-ft smp start` (split on whitespace), e.g. the EC
 #                           options "--parity 1 --nodes 4 --peers 0=node0:7100,1=node1:7100,..."
 #   INMEM_FT_WIPE_ON_EXIT   1: delete this node's snapshots when the job ends (default 0: keep them)
+#   INMEM_FT_SPILL_DIR      a directory (shared or node-local disk) where the SMP, when this launcher is
+#                           signalled (preemption, scancel, requeue, time limit), writes the newest step
+#                           complete on every rank before it exits; a later SMP of the same job and node
+#                           that finds nothing in shared memory starts from it (restore logs
+#                           source=disk_spill). Size it for one snapshot per rank of the node.
 #   INMEM_FT_RUNTIME_DIR    where SMP sockets and logs go (default $XDG_RUNTIME_DIR/inmem_ft or
 #                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
 #   PYTHON, TORCHRUN        the interpreter and torchrun to use (default: `python`, `torchrun` on PATH)
 #   TORCHRUN_ARGS           extra torchrun arguments (split on whitespace), e.g. "--log-dir /tmp/tr"
 #
-# Rendezvous: with c10d (the default) torchrun assigns node ranks itself, ignoring NODE_RANK: each
-# agent keeps its place across restarts, so a rank restores from the SMP it saved to, but the global
-# ranks of a node may differ from NODE_RANK*NPROC_PER_NODE. With static, RANK = NODE_RANK *
+# Rendezvous: with c10d (the default) torchrun assigns node ranks itself, ignoring NODE_RANK, in the
+# sorted order of the nodes' --local-addr: each agent keeps its place across restarts, so a rank restores
+# from the SMP it saved to; where NODE_RANK is each node's place in that order (slurm_inmem.sbatch does
+# this), RANK = NODE_RANK * NPROC_PER_NODE + LOCAL_RANK also across a re-queue. With static, RANK = NODE_RANK *
 # NPROC_PER_NODE + LOCAL_RANK always, also across a re-queue, at the cost of torchrun's membership
 # handling (the survivors restart when their collectives fail, not when the agents notice).
 #
@@ -139,13 +147,19 @@ node_args=(--job "$INMEM_FT_JOB" --node "$NODE_RANK" --socket "$INMEM_FT_SMP_SOC
 
 smp_pid=""
 torchrun_pid=""
+signalled=""
+smp_done=""
 # shellcheck disable=SC2317  # called from traps
-on_signal() {  # before torchrun runs: exit (the EXIT trap stops the SMP); after: tell torchrun to stop
+on_signal() {  # before torchrun runs: exit (the EXIT trap stops the SMP); after: stop torchrun and the SMP
     log "signal sig=$1"
+    signalled="$1"
     if [[ -z "$torchrun_pid" ]]; then
         exit $((128 + $(kill -l "$1")))
     fi
     kill -TERM "$torchrun_pid" 2>/dev/null
+    # The SMP stops (and spills) at once: torchrun can take longer than the grace time before SIGKILL
+    # (an agent whose rendezvous host is gone waits on it), and the snapshots in memory are already whole.
+    stop_smp
 }
 for sig in TERM INT HUP; do
     # shellcheck disable=SC2064  # expand $sig now
@@ -153,8 +167,22 @@ for sig in TERM INT HUP; do
 done
 smp_running() { "${smp[@]}" status "${node_args[@]}" >/dev/null 2>&1; }
 # shellcheck disable=SC2317  # called from the EXIT trap
+alive() { [[ -r "/proc/$1/status" ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
+# shellcheck disable=SC2317  # called from the EXIT trap
 stop_smp() {
-    local wipe=() rc
+    local wipe=() rc pid
+    [[ -n "$smp_done" ]] && return
+    smp_done=1
+    if [[ -n "$signalled" && "${INMEM_FT_WIPE_ON_EXIT:-0}" != 1 ]]; then
+        # Stopped from outside (preemption, scancel, requeue, time limit): the SMP gets SIGTERM, on which it
+        # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one.
+        pid="$("${smp[@]}" status "${node_args[@]}" 2>/dev/null | sed -n '1s/.* pid \([0-9]*\) .*/\1/p')"
+        if [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null; then
+            while alive "$pid"; do sleep 0.2; done
+            log "smp_stopped wiped=0 by=SIGTERM pid=$pid"
+            return
+        fi
+    fi
     [[ "${INMEM_FT_WIPE_ON_EXIT:-0}" == 1 ]] && wipe=(--wipe)
     "${smp[@]}" stop "${node_args[@]}" "${wipe[@]}" >/dev/null 2>&1
     rc=$?
@@ -186,6 +214,7 @@ if [[ "$RDZV_BACKEND" == c10d ]]; then
     # Node 0 hosts the rendezvous store (deterministic also when every node resolves to one host).
     is_host=false; (( NODE_RANK == 0 )) && is_host=true
     rdzv+=(--rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" --rdzv-conf="is_host=${is_host}")
+    [[ -n "${INMEM_FT_LOCAL_ADDR:-}" ]] && rdzv+=(--local-addr="$INMEM_FT_LOCAL_ADDR")
     # By default the workers of every attempt share the rendezvous store, where the previous
     # attempt's gloo/NCCL addresses are still found: a restarted rank then connects to a dead port
     # ("Connection refused") and the restarts are used up. A fresh store per round avoids that.

@@ -1,6 +1,6 @@
 """Issue 5, items 1-2: launch/torchrun_inmem.sh run for real on loopback, as two "nodes" (two invocations
-with NODE_RANK 0 and 1) of the plain PyTorch example; launch/slurm_inmem.sbatch checked by bash -n and
-shellcheck (it needs SLURM to run, and its per-node work is this same torchrun script)."""
+with NODE_RANK 0 and 1) of the plain PyTorch example; both scripts checked by bash -n and shellcheck
+(tests/test_slurm.py runs the sbatch script on a real SLURM)."""
 import json
 import os
 import shutil

@@ -22,6 +22,7 @@ class ECOptions:
     group_size: int | None = None  # default: groups.default_group_size
     secret_file: str | None = None  # default: INMEM_FT_SECRET
     bandwidth: int | None = None  # bytes/s of outgoing parity traffic; None: uncapped
+    peer_wait_s: float = 0.0  # an empty SMP waits this long for peers not yet listening (see Protector)
 
     def groups(self) -> Groups:
         if self.group_size is None:
@@ -36,6 +37,8 @@ class ECOptions:
             out += ["--secret-file", self.secret_file]
         if self.bandwidth:
             out += ["--ec-bandwidth", str(self.bandwidth)]
+        if self.peer_wait_s:
+            out += ["--peer-wait", str(self.peer_wait_s)]
         return out
 
 
@@ -54,6 +57,9 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-job secret of at least 16 bytes, mode 0600 (default: $INMEM_FT_SECRET)")
     p.add_argument("--ec-bandwidth", type=units.argparse_size, default=None, metavar="BYTES_PER_S",
                    help="cap on outgoing SMP-to-SMP bulk traffic, bytes per second (default: uncapped)")
+    p.add_argument("--peer-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="an SMP starting with empty memory waits this long for peers that do not answer yet "
+                        "before it concludes there is nothing to rebuild, for SMPs started together (default: 0)")
 
 
 def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> ECOptions | None:
@@ -66,7 +72,8 @@ def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> E
         raise ConfigError(f"{asked_by} asks for erasure coding across nodes: add --nodes N and --peers "
                           f"0=HOST:PORT,1=HOST:PORT,... (every node's SMP address), or --parity 0 for a "
                           f"single node without it")
-    options = ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
+    options = ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth,
+                        args.peer_wait)
     try:
         groups = options.groups()
     except ValueError as e:
@@ -99,4 +106,4 @@ def make_peers(args: argparse.Namespace, node: int, job: str):
 def make_protector(smp, options: ECOptions, peers):
     from .protection import Protector
 
-    return Protector(smp, options.groups(), peers)
+    return Protector(smp, options.groups(), peers, options.peer_wait_s)

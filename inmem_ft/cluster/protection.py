@@ -38,8 +38,12 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 
 
 class Protector:
-    def __init__(self, smp, groups: Groups, peers: Peers):
+    def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0):
         self.smp, self.node, self.groups = smp, smp.node, groups
+        # How long an empty SMP waits for unreachable peers before it concludes there is nothing to rebuild:
+        # a re-queued job's SMPs start together, and a replacement asking before the survivors listen
+        # would start empty.
+        self.peer_wait_s = peer_wait_s
         self.members, self.pos = groups.members(self.node), groups.position(self.node)
         missing = [n for n in self.members if n not in peers.addresses]
         if missing:
@@ -296,15 +300,24 @@ class Protector:
                 self.rebuild_done.set()
                 self.smp.cond.notify_all()
 
+    def _peer_states(self) -> dict:
+        """What each reachable peer holds, waiting up to peer_wait_s for those not (yet) listening."""
+        states, pending = {}, dict(self.clients)
+        deadline = time.monotonic() + self.peer_wait_s
+        while pending:
+            for n, client in list(pending.items()):
+                try:
+                    states[n] = client.call({"op": "state"})[0]
+                    del pending[n]
+                except PeerUnavailable:
+                    pass
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        return states
+
     def _rebuild(self) -> None:
-        states = {}
-        for n, client in self.clients.items():
-            try:
-                state = client.call({"op": "state"})[0]
-            except PeerUnavailable:
-                continue
-            if not state["rebuilding"] and state["built"]:
-                states[n] = state
+        states = {n: st for n, st in self._peer_states().items() if not st["rebuilding"] and st["built"]}
         if not states:
             return  # a fresh job: nobody holds parity yet
         lost = [n for n in self.members if n not in states]

@@ -9,7 +9,7 @@ from ..cluster.options import add_ec_arguments, make_peers, make_protector, opti
 from ..cluster.slotreads import SlotReads
 from ..errors import InmemFTError
 from ..telemetry import log_to_stderr
-from . import paths
+from . import paths, spill
 from .daemon import SMP, check_budget_fits
 
 
@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
     p.add_argument("--memory-budget", required=True, type=units.argparse_size,
                    help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
+    p.add_argument("--spill-dir", default=None,
+                   help="on SIGTERM write the newest complete step to DIR/<job>/node<N>; start from it when "
+                        "shared memory holds nothing (default: none)")
     add_ec_arguments(p)
     args = p.parse_args(argv)
     log_to_stderr()
@@ -30,6 +33,9 @@ def main(argv=None) -> int:
         check_budget_fits(args.memory_budget)
         smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
         smp.adopt_existing()
+        if args.spill_dir:
+            smp.spill_dir = spill.node_dir(args.spill_dir, args.job, args.node)
+            spill.adopt(smp, smp.spill_dir)
         smp.peers = make_peers(args, args.node, args.job)
         if ec is not None:
             smp.protector = make_protector(smp, ec, smp.peers)

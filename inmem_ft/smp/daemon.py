@@ -21,7 +21,7 @@ from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, U
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
-from . import paths, protocol
+from . import paths, protocol, spill
 from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
 log = logging.getLogger("inmem_ft.smp")
@@ -76,6 +76,7 @@ class SMP:
         self.reads = None  # cluster.slotreads.SlotReads: serves catalog/read/pull, which may wait on peers
         self.stopping = False
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
+        self.spill_dir: str | None = None  # where SIGTERM writes the newest complete step (smp/spill.py)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -425,6 +426,16 @@ class SMP:
                 if owner == conn_id:
                     self._drop_writer(rank, "trainer disconnected mid-write")
 
+    def terminate(self) -> None:
+        """SIGTERM: a preempted, cancelled or re-queued job. Spill first: memory may not outlive the job."""
+        if self.spill_dir is not None and not self.stopping:
+            self.stopping = True
+            try:
+                spill.spill(self, self.spill_dir)
+            except OSError as e:
+                log.error("smp node=%d event=spill_failed dir=%s reason=%s", self.node, self.spill_dir, e)
+        self.server.shutdown()
+
     # ---- serving ----------------------------------------------------------------------------------------
     def serve(self) -> None:
         paths.make_private_dir(os.path.dirname(self.socket_path))
@@ -467,7 +478,7 @@ class SMP:
         finally:
             os.umask(old_umask)
         self.server.daemon_threads = True
-        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.terminate).start())
         if self.peers is not None:
             self.peers.start()
         if self.protector is not None:

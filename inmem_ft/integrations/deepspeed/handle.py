@@ -25,7 +25,7 @@ log = logging.getLogger("inmem_ft.deepspeed")
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk"
+    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk"
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
     tag: str

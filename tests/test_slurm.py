@@ -1,0 +1,268 @@
+"""Issue 14: launch/slurm_inmem.sbatch submitted to a real SLURM (tests/slurm_cluster.py: one controller and
+two slurmd "nodes" n0/n1 on this host) exactly as the README shows, with the DeepSpeed GPT example on
+2 nodes x 2 ranks, one SMP per node started by the script: a clean run, a rank killed, a lost and
+replaced node, a requeue, a preemption."""
+import json
+import os
+import re
+import time
+
+import pytest
+
+from conftest import ROOT
+from slurm_cluster import SlurmCluster, unavailable
+from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
+from test_launch_scripts import Nodes, free_port, script_env
+from inmem_ft.errors import SMPUnavailable
+from inmem_ft.smp import control
+from inmem_ft.smp.segments import names_with_prefix, unlink
+from inmem_ft.telemetry import read_losses
+
+STAGE, DTYPE = 2, "fp32"
+# The README's command, with the resources of this CPU-only test cluster in place of the #SBATCH defaults.
+SBATCH = ["sbatch", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1"]
+TIME_LIMIT = "--time=8"  # minutes: a hung job fails the test instead of holding the cluster
+SCRIPT = "launch/slurm_inmem.sbatch"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class Job:
+    """One test's submissions (all under the test's INMEM_FT_JOB); leaves no SMP or segment behind."""
+
+    def __init__(self, slurm, runtime, job, **env):
+        self.slurm, self.runtime, self.job = slurm, runtime, job
+        self.env = {**script_env(runtime / "run", job, NPROC_PER_NODE=2, INMEM_FT_MEMORY_BUDGET="256MiB",
+                                 **ENV, **env), "SLURM_CONF": slurm.conf}
+        self.loss_log = runtime / "loss.jsonl"
+
+    def submit(self, *train_args, wait=False, steps=STEPS, loss_log=None, timeout_s=600) -> str:
+        argv = [*SBATCH, TIME_LIMIT, "--parsable", f"--output={self.runtime}/slurm-%j.out",
+                *(["--wait"] if wait else []), SCRIPT, *example(STAGE, DTYPE, steps),
+                "--loss-log", str(loss_log or self.loss_log), *map(str, train_args)]
+        proc = self.slurm.run(*argv, env=self.env, cwd=ROOT, timeout_s=timeout_s)
+        job_id = proc.stdout.strip().split(";")[0]
+        if not job_id.isdigit() or (wait and proc.returncode != 0):
+            out = self.output(job_id) if job_id.isdigit() else ""
+            raise AssertionError(f"sbatch rc={proc.returncode}: {proc.stderr}\n{out[-6000:]}")
+        return job_id
+
+    def output(self, job_id: str) -> str:
+        path = self.runtime / f"slurm-{job_id}.out"
+        return path.read_text() if path.exists() else ""
+
+    def wait_state(self, job_id: str, states, timeout_s=300) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = self.slurm.job_field(job_id, "JobState")
+            if state in states:
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id} not in {states} within {timeout_s} s (it is "
+                             f"{self.slurm.job_field(job_id, 'JobState')}):\n{self.output(job_id)[-6000:]}")
+
+    def wait_for(self, job_id: str, pattern: str, timeout_s=300) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.output(job_id))
+            if m:
+                return m
+            time.sleep(0.5)
+        raise AssertionError(f"job {job_id}: no {pattern!r} within {timeout_s} s:\n{self.output(job_id)[-6000:]}")
+
+    def cleanup(self):
+        Nodes(self.runtime / "run", self.job).cleanup()
+
+
+@pytest.fixture
+def submit(slurm, runtime, job):
+    jobs = []
+
+    def make(**env):
+        jobs.append(Job(slurm, runtime, job, **env))
+        return jobs[-1]
+    yield make
+    for j in jobs:
+        j.cleanup()
+
+
+def steps_run(loss_log) -> list[int]:
+    return [json.loads(line)["step"] for line in open(loss_log)]
+
+
+def test_clean_run_ends_with_the_uninterrupted_losses(slurm, submit, tmp_path_factory):
+    ref = reference(STAGE, DTYPE, tmp_path_factory)
+    j = submit()
+    job_id = j.submit(wait=True)
+    out = j.output(job_id)
+    assert f"[inmem_ft] sbatch job={j.job} slurm_job={job_id} nodes=2 nodelist=n[0-1] master=127.0.0.1:" in out
+    for node in (0, 1):
+        assert f"[inmem_ft] launch node={node} event=smp_started" in out
+        assert f"[inmem_ft] launch node={node} event=torchrun_exit rc=0" in out
+        assert f"[inmem_ft] launch node={node} event=smp_stopped wiped=0" in out
+    assert "source=none: starting from scratch" in out
+    assert read_losses(j.loss_log) == ref
+    assert steps_run(j.loss_log) == list(range(1, STEPS + 1))
+
+
+def test_rank_killed_recovers_from_memory_with_the_same_losses(slurm, submit, tmp_path_factory):
+    ref = reference(STAGE, DTYPE, tmp_path_factory)
+    j = submit()
+    job_id = j.submit("--die-at", 7, "--die-rank", 3, wait=True)
+    out = j.output(job_id)
+    assert "exitcode: -9" in out  # torchrun saw the SIGKILLed rank
+    for rank in range(4):
+        assert f"restore rank={rank} step=6 source=memory" in out
+    steps = steps_run(j.loss_log)
+    assert steps == list(range(1, 8)) + list(range(7, STEPS + 1))
+    assert read_losses(j.loss_log) == ref
+
+
+LONG = 60  # steps of the jobs stopped from outside: long enough that the stop comes mid-training
+LONG_EC = 300  # with time for the EC group to protect a step, and for SLURM to notice a lost node
+
+
+def wait_step(loss_log, step, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(loss_log) and max(read_losses(loss_log), default=0) >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{loss_log}: step {step} not reached within {timeout_s} s")
+
+
+def logged(loss_log) -> list[tuple[int, float]]:
+    """(step, loss) in the order the loss log got them, across restarts."""
+    return [(rec["step"], rec["loss"]) for rec in map(json.loads, open(loss_log))]
+
+
+def assert_resumed_exactly(first: dict, second: dict, step: int, last: int = LONG) -> None:
+    """The second allocation ran step+1..last, and every step both ran has the very same loss."""
+    assert step >= 8 and step % INTERVAL == 0
+    assert sorted(second) == list(range(step + 1, last + 1))
+    assert {s: second[s] for s in first if s > step} == {s: first[s] for s in first if s > step}
+
+
+def spilled(spill_dir, job) -> dict[int, list[str]]:
+    """node -> the spill files of that node."""
+    base = spill_dir / job
+    return {int(d.name[4:]): sorted(f.name for f in d.iterdir()) for d in sorted(base.iterdir())}
+
+
+def wipe_memory(job):
+    """What a reboot or another job's cleanup does to the nodes' shared memory."""
+    for seg in names_with_prefix(f"inmemft.{job}."):
+        unlink(seg)
+
+
+@pytest.mark.slow
+def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_it(slurm, submit, runtime):
+    spill = runtime / "spill"
+    j = submit(INMEM_FT_SPILL_DIR=spill)
+    first = j.submit(steps=LONG)
+    wait_step(j.loss_log, 8)
+    assert slurm.run("scancel", first).returncode == 0  # SIGTERM now, SIGKILL after the grace time
+    j.wait_state(first, {"CANCELLED"})
+    out = j.wait_for(first, r"(?s)(event=smp_stopped.*){2}").string  # the state changes first
+    for node in (0, 1):
+        assert f"[inmem_ft] launch node={node} event=signal sig=TERM" in out
+        assert re.search(f"launch node={node} event=smp_stopped wiped=0 by=SIGTERM", out), out[-4000:]
+    files = spilled(spill, j.job)
+    steps = {node: {int(m) for f in names for m in re.findall(r"step(\d+)", f)} for node, names in files.items()}
+    assert files == {node: sorted(f"r{r}.step{s}.slot" for r in (2 * node, 2 * node + 1) for s in steps[node])
+                     for node in (0, 1)}
+    step = max(steps[0] & steps[1])  # the newest step complete on every rank
+    for node in (0, 1):
+        assert "event=spill steps=" in (runtime / "run" / j.job / f"node{node}.log").read_text()
+    before = read_losses(j.loss_log)
+
+    wipe_memory(j.job)  # the nodes go to the preempting job: nothing of ours stays in memory
+    resumed_log = runtime / "resumed.jsonl"
+    second = j.submit(steps=LONG, loss_log=resumed_log, wait=True)
+    out = j.output(second)
+    for rank in range(4):
+        assert f"restore rank={rank} step={step} source=disk_spill" in out
+    for node in (0, 1):
+        assert f"event=adopt rank={2 * node} slot=0 step={max(steps[node])} from=disk" in (
+            runtime / "run" / j.job / f"node{node}.log").read_text()
+    assert_resumed_exactly(before, read_losses(resumed_log), step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", ["kept", "wiped"])
+def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_disk(slurm, submit, runtime, memory):
+    j = submit(INMEM_FT_SPILL_DIR=runtime / "spill")
+    job_id = j.submit(steps=LONG)
+    wait_step(j.loss_log, 8)
+    # Wiped: held while the first allocation's memory is lost, then let go.
+    assert slurm.run("scontrol", "requeue" if memory == "kept" else "requeuehold", job_id).returncode == 0
+    j.wait_state(job_id, {"PENDING"})
+    j.wait_for(job_id, r"(?s)(event=smp_stopped.*){2}")
+    before = len(logged(j.loss_log))  # the first allocation's trainers are gone
+    if memory == "wiped":
+        wipe_memory(j.job)
+    # SLURM holds a re-queued job back for two minutes (its BeginTime); an operator in a hurry does this too.
+    assert slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+    if memory == "wiped":
+        assert slurm.run("scontrol", "release", job_id).returncode == 0
+    j.wait_state(job_id, {"COMPLETED"})
+    out = j.output(job_id)
+    assert "restart=0" in out and "restart=1" in out
+    restores = set(re.findall(r"restore rank=(\d) step=(\d+) source=(\w+)", out))
+    step = int(next(iter(restores))[1])
+    source = {"kept": "memory", "wiped": "disk_spill"}[memory]
+    assert restores == {(str(rank), str(step), source) for rank in range(4)}
+    lines = logged(j.loss_log)
+    assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step)
+
+
+def protected_step(runtime, job, node):
+    sock = runtime / "run" / job / f"node{node}.sock"
+    try:
+        return control.call(str(sock), "status")["ec"]["protected_step"]
+    except (OSError, SMPUnavailable):
+        return None
+
+
+@pytest.mark.slow
+def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical(slurm, submit, runtime, job):
+    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port())
+    job_id = j.submit(steps=LONG_EC)
+    wait_step(j.loss_log, 8)
+    assert slurm.wait_until(lambda: all((protected_step(runtime, job, n) or 0) >= 8 for n in (0, 1)), 120)
+    assert slurm.job_field(job_id, "JobState") == "RUNNING"
+    # n1 dies: its slurmd, every process of its job step (its SMP too), its shared memory.
+    smp1 = control.call(str(runtime / "run" / job / "node1.sock"), "status")["pid"]
+    slurm.kill_node("n1")
+    assert slurm.wait_until(lambda: not os.path.exists(f"/proc/{smp1}"), 30)
+    for seg in names_with_prefix(f"inmemft.{job}.n1."):
+        unlink(seg)
+    # SLURM notices (SlurmdTimeout), marks n1 down and re-queues the job; a replacement n1 comes up.
+    assert slurm.wait_until(lambda: slurm.node_states().get("n1", "").startswith("down"), 120), slurm.node_states()
+    slurm.start_node("n1")
+    slurm.wait_idle(["n1"], 120)
+    j.wait_state(job_id, {"PENDING"})
+    j.wait_for(job_id, r"launch node=0 event=smp_stopped")
+    before = len(logged(j.loss_log))  # the first allocation's trainers are gone
+    assert slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
+    j.wait_state(job_id, {"COMPLETED"})
+    out = j.output(job_id)
+    assert "restart=1" in out
+    restores = set(re.findall(r"restore rank=(\d) step=(\d+) source=(\w+)", out))
+    step = int(next(iter(restores))[1])
+    assert restores == {("0", str(step), "memory"), ("1", str(step), "memory"),
+                        ("2", str(step), "peer_reconstruction"), ("3", str(step), "peer_reconstruction")}
+    assert "event=rebuild_start" in (runtime / "run" / job / "node1.log").read_text()
+    lines = logged(j.loss_log)
+    assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step, LONG_EC)
