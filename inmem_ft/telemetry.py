@@ -47,13 +47,14 @@ def read_heartbeats(directory: str) -> dict[int, dict]:
     return out
 
 
-def report_loss(step: int, loss: float, path: str | None = None) -> None:
-    """Append (step, loss) to the loss log (`path` or $INMEM_FT_LOSS_LOG) from rank 0; a no-op without one."""
+def report_loss(step: int, loss: float, path: str | None = None, **extra) -> None:
+    """Append (step, loss) to the loss log (`path` or $INMEM_FT_LOSS_LOG) from rank 0; a no-op without one.
+    `extra`: more numbers of the step to log beside it (e.g. grad_norm)."""
     path = path or os.environ.get(LOSS_LOG)
     if not path or (dist.is_initialized() and dist.get_rank() != 0):
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "loss": float(loss), "time": time.time()}) + "\n")
+        f.write(json.dumps({"step": step, "loss": float(loss), **extra, "time": time.time()}) + "\n")
 
 
 def read_losses(path: str) -> dict[int, float]:
