@@ -138,8 +138,10 @@ def log_metrics(own: dict, handle) -> None:
     training.training_log = training_log
 
 
-def main(argv: list[str] | None = None) -> None:
-    megatron_argv, own = split_argv(sys.argv[1:] if argv is None else argv)
+def prepare(argv: list[str]):
+    """Everything before pretrain(): the CPU shim where needed, Megatron's arguments (with ours), install().
+    Returns (args, cfg, handle, the example's own flags)."""
+    megatron_argv, own = split_argv(argv)
     if CPU:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         import megatron_cpu_shim
@@ -152,8 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("inmem_ft").propagate = False
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
 
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
@@ -163,8 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_and_validate_args(extra_args_provider=inmem_megatron.add_args, args_defaults={})
     cfg = pretrain_cfg_container_from_args(args, None)
     handle = inmem_megatron.install(args)  # the one inmem_ft line (None without --inmem-ft)
-    log_metrics(own, handle)
+    return args, cfg, handle, own
+
+
+def run(cfg) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+def main() -> None:
+    args, cfg, handle, own = prepare(sys.argv[1:])
+    log_metrics(own, handle)
+    run(cfg)
     if handle is not None:
         handle.close()
 

@@ -39,10 +39,11 @@ class Handle:
         self.snap = self.manager = self.layout = None
         self.restored: Restored | None = None
 
-    def _before_load(self, checkpointing_context: dict) -> None:
+    def _before_load(self, checkpointing_context: dict, optimizer) -> None:
         from ...capture import Snapshotter
         from ...smp import paths
-        from .manager import InmemCheckpointManager
+        from . import patch
+        from .manager import NONE, InmemCheckpointManager
 
         config = self.block.snapshot_config()
         self.snap = Snapshotter(config)
@@ -51,12 +52,14 @@ class Handle:
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
             extra_specs=self._extra_specs)
         checkpointing_context["local_checkpoint_manager"] = self.manager
+        if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
+            patch.fill_empty_optimizer_state(optimizer)
 
     def _after_load(self, model, optimizer) -> None:
         from . import patch
         from .layout import MegatronLayout
 
-        patch.unshare_adam_steps(optimizer)
+        patch.restore_adam_steps(optimizer)
         patch.fence_before_step(optimizer, self.snap.fence)
         self.layout = MegatronLayout(self.args, model, optimizer)
         if self.manager.release() is not None:
@@ -115,7 +118,7 @@ def install(args) -> Handle | None:
     patch.allow_local_tasd()
     patch.register_safe_classes(args)
     handle = Handle(args, block)
-    patch.around_setup(handle._before_load, handle._after_load)
+    patch.around_load(handle._before_load, handle._after_load)
     return handle
 
 

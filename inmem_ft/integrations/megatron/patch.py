@@ -49,23 +49,43 @@ def allow_local_tasd() -> None:
     tensor_aware_state_dict.HAVE_NVRX = True
 
 
-def around_setup(before, after) -> None:
+def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
-    load_checkpoint inside setup_model_and_optimizer: `before(checkpointing_context)` puts ours in place
-    just ahead of that, `after(model, optimizer)` runs once the load is done."""
+    load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
+    `before(checkpointing_context, optimizer)` puts ours in place just ahead of that load,
+    `after(model, optimizer)` runs once it is done. Later loads (RL reference weights) stay stock.
+    The load runs under no_grad: with fp32 parameters the distributed optimizer's main parameters are views
+    of them, and 0.19.2 copies the loaded values into those in place (autograd refuses that otherwise)."""
+    import torch
     from megatron.training import training
 
-    setup = training.setup_model_and_optimizer
+    load = training.load_checkpoint
+    first = [True]
 
-    @functools.wraps(setup)
-    def wrapped(*args, checkpointing_context=None, **kwargs):
-        if checkpointing_context is not None:
-            before(checkpointing_context)
-        model, optimizer, scheduler = setup(*args, checkpointing_context=checkpointing_context, **kwargs)
+    @functools.wraps(load)
+    def wrapped(model, optimizer, opt_param_scheduler, *args, checkpointing_context=None, **kwargs):
+        if not first[0] or checkpointing_context is None:
+            return load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
+                        **kwargs)
+        first[0] = False
+        before(checkpointing_context, optimizer)
+        with torch.no_grad():
+            out = load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
+                       **kwargs)
         after(model, optimizer)
-        return model, optimizer, scheduler
+        return out
 
-    training.setup_model_and_optimizer = wrapped
+    training.load_checkpoint = wrapped
+
+
+def fill_empty_optimizer_state(optimizer) -> None:
+    """0.19.2's DistributedOptimizer.state_dict (without Apex/TE) asserts that its Adam state holds exactly one
+    `step`, which a fresh optimizer's empty state does not: loading any checkpoint into it fails. Megatron's
+    own remedy for that (used for its FSDP format) is one optimizer step on zero gradients; the load then
+    overwrites every value it wrote."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
 
 
 def fence_before_step(optimizer, fence) -> None:
@@ -82,12 +102,24 @@ def fence_before_step(optimizer, fence) -> None:
     optimizer.step = fenced
 
 
-def unshare_adam_steps(optimizer) -> None:
-    """0.19.2's DistributedOptimizer.load_state_dict (without Apex/TE) gives every parameter's Adam state the
-    same `step` tensor, which torch's Adam then increments once per parameter each step: the bias correction
-    silently drifts. Give each parameter its own copy, as a fresh optimizer has."""
+def restore_adam_steps(optimizer) -> None:
+    """0.19.2's DistributedOptimizer.load_state_dict (without Apex/TE) gets Adam's `step` wrong twice: it
+    gives every parameter the same tensor, which torch's Adam then increments once per parameter each step,
+    and its bucket-state load then copies into that tensor the step the optimizer had *before* the load.
+    Either way the bias correction silently drifts. The checkpoint's step is in the param groups: give each
+    parameter its own tensor of it, as an optimizer that never stopped has. Other optimizers load per-parameter
+    steps correctly; theirs are only unshared."""
+    import torch
+
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        for state in (inner.state.values() if inner is not None else ()):
-            if "step" in state and hasattr(state["step"], "clone"):
-                state["step"] = state["step"].clone()
+        distributed = hasattr(opt, "gbuf_ranges")
+        for group in (inner.param_groups if inner is not None else ()):
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if not torch.is_tensor(state.get("step")):
+                    continue
+                if distributed and group.get("step") is not None:
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+                else:
+                    state["step"] = state["step"].clone()
