@@ -138,15 +138,20 @@ def log_metrics(own: dict, handle) -> None:
     training.training_log = training_log
 
 
-def prepare(argv: list[str]):
-    """Everything before pretrain(): the CPU shim where needed, Megatron's arguments (with ours), install().
-    Returns (args, cfg, handle, the example's own flags)."""
-    megatron_argv, own = split_argv(argv)
+def install_cpu_shim() -> None:
+    """Without CUDA: the test-only shim that lets Megatron run on the CPU (before megatron is imported)."""
     if CPU:
         sys.path.insert(0, os.path.join(ROOT, "tests"))
         import megatron_cpu_shim
 
         megatron_cpu_shim.install()
+
+
+def prepare(argv: list[str]):
+    """Everything before pretrain(): the CPU shim where needed, Megatron's arguments (with ours), install().
+    Returns (args, cfg, handle, the example's own flags)."""
+    megatron_argv, own = split_argv(argv)
+    install_cpu_shim()
     ours = logging.StreamHandler()  # Megatron configures the root logger itself: ours gets its own handler
     ours.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [inmem_ft] %(message)s"))
     logging.getLogger("inmem_ft").addHandler(ours)

@@ -48,7 +48,7 @@ class Handle:
         config = self.block.snapshot_config()
         self.snap = Snapshotter(config)
         self.manager = InmemCheckpointManager(
-            self.snap, os.path.join(paths.job_dir(config.job), "megatron"), self._topology,
+            self.snap, os.path.join(paths.job_dir(config.job), "megatron"), lambda it: self.layout.topology(it),
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
             extra_specs=self._extra_specs)
         checkpointing_context["local_checkpoint_manager"] = self.manager
@@ -69,9 +69,6 @@ class Handle:
                      info.source.replace(" ", "_"), self.restored.seconds)
         else:
             log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
-
-    def _topology(self, tasd, iteration):
-        return self.layout.topology(iteration)
 
     def _extra_specs(self, sh):
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()

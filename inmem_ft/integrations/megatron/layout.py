@@ -4,8 +4,10 @@ where the distributed optimizer's bucket slices sit in model space (MEGATRON.md 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ...snapshot import ShardSpec, Topology
+from .manager import replica_tuple
 
 _SCALARS = (int, float, str, bool, type(None))
 
@@ -69,8 +71,6 @@ class MegatronLayout:
             for group, group_keys in zip(opt.optimizer.param_groups, keys):
                 hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
                 groups.append({"keys": group_keys, **{k: v for k, v in hyper.items() if v is not None}})
-        import torch.distributed as dist
-
         return Topology(framework="megatron", framework_version=self.version, world_size=dist.get_world_size(),
                         **self.sizes, coords=self.coords,
                         position={"iteration": int(iteration),
@@ -107,7 +107,7 @@ class MegatronLayout:
         if hit is None:
             return ()  # padding between parameters, or not a bucket slice
         param, lo, hi = hit
-        replica = tuple(param.replica_id)[:-1] + (0,)  # data-parallel ranks hold disjoint flat ranges
+        replica = replica_tuple(param.replica_id)[:-1] + (0,)  # data-parallel ranks hold disjoint flat ranges
         key = f"optimizer.state.{'fp32_param' if state == 'param' else state}.{param.key}"
         return (ShardSpec(key, tuple(param.global_shape), offset=tuple(param.global_offset),
                           shape=(1,) * param.prepend_axis_num + tuple(param.local_shape), flat=(lo, hi),

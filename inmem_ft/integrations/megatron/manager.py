@@ -13,17 +13,15 @@ only translates (megatron.training.checkpointing, 0.19.2, MEGATRON.md section 1)
 """
 from __future__ import annotations
 
-import logging
 import time
 
 from ...capture import Snapshotter
-from ...snapshot import ShardSpec, Sharded, Topology
+from ...snapshot import ShardSpec, Sharded
 
-log = logging.getLogger("inmem_ft.megatron")
 NONE = -1
 
 
-def _replica(replica_id) -> tuple[int, ...]:
+def replica_tuple(replica_id) -> tuple[int, ...]:
     return (int(replica_id),) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)
 
 
@@ -31,7 +29,7 @@ def shard_spec(sh, *, deduplicated: bool) -> ShardSpec:
     """A Megatron ShardedTensor's place in the model. `main` marks the one stored copy a loader reads: all
     replica coordinates 0, except that with data-parallel deduplication the data-parallel coordinate (the
     last) is whichever rank Megatron chose to store it."""
-    replica = _replica(sh.replica_id)
+    replica = replica_tuple(sh.replica_id)
     counted = replica[:-1] if deduplicated else replica
     return ShardSpec(sh.key, tuple(sh.global_shape), offset=tuple(sh.global_offset),
                      shape=(1,) * sh.prepend_axis_num + tuple(sh.local_shape), replica=replica,
@@ -84,6 +82,7 @@ class InmemCheckpointManager:
 
     def __init__(self, snap: Snapshotter, local_ckpt_dir: str, topology, *, deduplicated: bool,
                  extra_specs=lambda sh: ()):
+        """topology(iteration) -> the Topology record of a snapshot; extra_specs: see to_tree."""
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
         self._restored: dict | None = None
@@ -94,7 +93,7 @@ class InmemCheckpointManager:
     def save(self, tasd, iteration: int, is_async: bool = False):
         tree = to_tree(tasd, deduplicated=self._deduplicated, extra_specs=self._extra_specs)
         # overlap: the copy runs behind the next forward/backward; the optimizer step fences (see patch.py).
-        self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(tasd, iteration))
+        self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(iteration))
         if not is_async:
             return None
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
