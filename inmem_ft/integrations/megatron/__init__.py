@@ -41,32 +41,33 @@ class Handle:
 
     def _before_load(self, checkpointing_context: dict, optimizer) -> None:
         from ...capture import Snapshotter
-        from ...smp import paths
         from . import patch
         from .manager import NONE, InmemCheckpointManager
 
-        config = self.block.snapshot_config()
-        self.snap = Snapshotter(config)
+        self.snap = Snapshotter(self.block.snapshot_config())
         self.manager = InmemCheckpointManager(
-            self.snap, os.path.join(paths.job_dir(config.job), "megatron"), lambda it: self.layout.topology(it),
+            self.snap, self.args.non_persistent_local_ckpt_dir, lambda it: self.layout.topology(it),
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
             extra_specs=self._extra_specs)
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
 
-    def _after_load(self, model, optimizer) -> None:
+    def _after_load(self, model, optimizer, iteration: int) -> None:
         from . import patch
         from .layout import MegatronLayout
 
         patch.restore_adam_steps(optimizer)
         patch.fence_before_step(optimizer, self.snap.fence)
         self.layout = MegatronLayout(self.args, model, optimizer)
-        if self.manager.release() is not None:
+        served = self.manager.release()
+        if served:
             info = self.snap.last_restore
             self.restored = Restored(info.step, info.source, time.perf_counter() - self.manager.restore_t0)
             log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.snap.rank, info.step,
                      info.source.replace(" ", "_"), self.restored.seconds)
+        elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
+            log.info("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank, iteration)
         else:
             log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
 

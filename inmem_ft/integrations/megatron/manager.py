@@ -86,7 +86,7 @@ class InmemCheckpointManager:
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
         self._restored: dict | None = None
-        self._looked = False
+        self._looked = self._served = False
         self.restore_t0: float | None = None
 
     # ---- save ---------------------------------------------------------------------------------------------
@@ -115,9 +115,11 @@ class InmemCheckpointManager:
     def load(self):
         if self._restored is None:
             raise RuntimeError("inmem_ft: Megatron asked to load a snapshot, but find_latest() found none")
+        self._served = True
         return from_tree(self._restored), f"inmem_ft snapshot of iteration {self.snap.last_restore.step}"
 
-    def release(self) -> dict | None:
-        """After Megatron's load: drop the restored copy; return what was restored (None: nothing)."""
-        restored, self._restored = self._restored, None
-        return restored
+    def release(self) -> bool:
+        """After Megatron's load: drop the restored copy. True if Megatron loaded it (it takes a newer
+        persistent checkpoint under --load instead, if there is one)."""
+        self._restored = None
+        return self._served
