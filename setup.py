@@ -8,7 +8,7 @@ setup(
     packages=find_packages(include=["inmem_ft", "inmem_ft.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # Pinned: any other torch pulls a multi-GB CUDA build on our machines (shared/FINDINGS.md).
+        # Pinned: any other torch pulls a multi-GB CUDA build on a CPU-only machine (see constraints.txt).
         "torch==2.13.0",
         "numpy<2.4",
         "pyarrow",

@@ -237,7 +237,7 @@ def phase_save(args) -> dict:
         try:
             repeat_saves(args, engine, ce, x, key, disk, rank, step_med, times, walls, nexts)
         except Exception as e:  # e.g. the decoupled engine under ZeRO-1 (requires_grad tensors on its queue)
-            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            res["skipped"][key] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             times = []
         dist.barrier()
         if not times:
@@ -391,7 +391,7 @@ def phase_load(args) -> dict:
         res["skipped"]["restore_s"] = why
         return res
     try:
-        times, tiers, inner = [], [], []
+        times, tiers, inner, phases = [], [], [], []
         for _ in range(args.load_repeats):
             engine = build_engine(args, interval=10**9)
             dist.barrier()
@@ -401,6 +401,7 @@ def phase_load(args) -> dict:
             restored = getattr(handle, "restored", None)
             tiers.append(str(getattr(restored, "tier", restored)))
             inner.append(getattr(restored, "seconds", None))
+            phases.append(getattr(restored, "phases", {}))
             times.append(wall)
             handle.close()
             engine.destroy()
@@ -409,6 +410,8 @@ def phase_load(args) -> dict:
         res["restore_s"] = slowest(statistics.median(times))
         res["restore_tier"] = tiers[-1]
         res["restore_reported_s"] = slowest(inner[-1])
+        # The restore's own breakdown (slowest rank per phase): where a restore's time goes.
+        res["restore_phases"] = {k: slowest(v) for k, v in sorted(phases[-1].items())}
     except Exception as e:
         res["skipped"]["restore_s"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -443,7 +446,8 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("step_s", "step time, no snapshots"),
         ("step_overhead_interval1", "step time ratio, snapshot every step"),
         ("step_overhead_interval10", "step time ratio, snapshot every 10 steps"),
-        ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)")]
+        ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)"),
+        ("restore_vs_disk_load", "restore_s / disk_load_s (target <= 0.1)")]
 
 
 def fmt(v, key):
@@ -464,6 +468,10 @@ def print_table(results: dict) -> None:
             continue
         print(f"  {key:<26} {label:<52}" + "".join(f"{fmt(v, key):>12}" for v in vals))
     for s in stages:
+        phases = results["stages"][s].get("restore_phases")
+        if phases:
+            print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
+                  + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
         for k, why in results["stages"][s].get("skipped", {}).items():
             print(f"  ZeRO-{s} skipped {k}: {why}")
 
@@ -495,6 +503,10 @@ def plot(results: dict, path: str) -> None:
     ax.margins(y=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+PHASES = {"save": "training steps and DeepSpeed's engines, DCP", "inmem": "inmem_ft snapshots and restore",
+          "load": "stock disk load"}
 
 
 def main() -> int:
@@ -542,7 +554,9 @@ def main() -> int:
                             "--stage", str(stage), "--hidden", str(args.hidden), "--layers", str(args.layers),
                             "--disk-dir", disk_dir, "--tag", res.get("torch_engine_tag", "")]
                     argv += [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
-                    attempt = cluster.run(argv, timeout_s=1800)
+                    with report.phase(f"ZeRO-{stage} {PHASES[phase]}"):
+                        attempt = cluster.run(argv, timeout_s=1800,
+                                              poll=report.echo_worker(cluster, f"ZeRO-{stage} {phase}"))
                     if not attempt.ok:
                         print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:], file=sys.stderr)
                         return 1
@@ -561,6 +575,8 @@ def main() -> int:
                 res["step_overhead_interval10_estimated"] = True
             res["ratio_vs_torch_engine"] = (res["inmem_blocking_s"] / res["torch_engine_s"]
                                             if res.get("inmem_blocking_s") is not None else None)
+            res["restore_vs_disk_load"] = (res["restore_s"] / res["disk_load_s"]
+                                           if res.get("restore_s") is not None else None)
             results["params"], results["ranks"] = res.pop("params"), res.pop("ranks")
             results["stages"][str(stage)] = res
     results["wall_s"] = time.monotonic() - t_start

@@ -1,6 +1,51 @@
-"""What every benchmark does with its results: JSON for machines, a PNG for people."""
+"""What every benchmark does with its results: JSON for machines, a PNG for people; and the progress lines
+that keep a run of several minutes from going silent."""
 import json
 import os
+import sys
+import time
+from contextlib import contextmanager
+
+# Workers run under a SimulatedCluster with their output in a log file; rank 0 prefixes its progress lines
+# with this, and the parent echoes them while it waits.
+PROGRESS = "[bench] "
+STILL_RUNNING_EVERY_S = 60.0
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def phase(name: str):
+    """A line when a phase starts and one with its duration when it ends."""
+    say(f"{name} ...")
+    t0 = time.monotonic()
+    yield
+    say(f"{name}: done in {time.monotonic() - t0:.0f} s")
+
+
+def echo_worker(cluster, name: str):
+    """A SimulatedCluster.wait poll: echoes rank 0's progress lines of the running attempt, and says the
+    phase is still running when rank 0 has said nothing for a minute."""
+    seen, quiet_since = [0], [0.0]
+
+    def poll(seconds: float) -> None:
+        lines = [line for line in cluster.rank_log(cluster.attempts, 0).splitlines() if line.startswith(PROGRESS)]
+        for line in lines[seen[0]:]:
+            say(f"  {name}: {line[len(PROGRESS):]} ({seconds:.0f} s)")
+        if len(lines) > seen[0]:
+            seen[0], quiet_since[0] = len(lines), seconds
+        elif seconds - quiet_since[0] >= STILL_RUNNING_EVERY_S:
+            quiet_since[0] = seconds
+            say(f"  {name}: still running ({seconds:.0f} s)")
+
+    return poll
+
+
+def progress(text: str) -> None:
+    """Worker side (call on rank 0): a progress line for the parent to echo."""
+    print(PROGRESS + text, flush=True)
 
 
 def write(results: dict, json_path: str | None, plot=None, plot_path: str | None = None) -> None:

@@ -84,10 +84,14 @@ def worker(args) -> None:
 
     # The floor: one plain copy of every tensor out of the training buffers (device to host on a GPU).
     results["clone_floor_s"] = slowest(timed(lambda: [t.to("cpu", copy=True) for t in tensors], args.repeats))
+    if rank == 0:
+        report.progress(f"plain copy: {results['clone_floor_s']:.3f} s")
 
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
         path = os.path.join(d, f"rank{rank}.pt")
         results["torch_save_s"] = slowest(timed(lambda: torch.save(state(), path), args.repeats))
+    if rank == 0:
+        report.progress(f"torch.save: {results['torch_save_s']:.3f} s")
 
     dp = dist.new_group(backend="gloo")
     for key, make, group in [("inmem_blocking_s", lambda: inmem_ft.Replicated(state()), dp),
@@ -110,6 +114,8 @@ def worker(args) -> None:
             results[key.replace("blocking", "gpu_stall")] = slowest(statistics.median(device_stalls))
         results[key.replace("blocking", "commit")] = slowest(statistics.median(commits))
         snap.close()
+        if rank == 0:
+            report.progress(f"{key}: {results[key]:.3f} s")
 
     results["ratio_vs_torch_save"] = results["inmem_blocking_s"] / results["torch_save_s"]
     results["ratio_vs_floor"] = results["inmem_blocking_s"] / results["clone_floor_s"]
@@ -163,11 +169,14 @@ def main() -> int:
         result = os.path.join(tmp, "result.json")
         budget = 8 << 30
         with SimulatedCluster(1, 2, "stallbench", budget, os.path.join(tmp, "logs"),
-                              env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}) as cluster:
+                              env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE)}) as cluster, \
+                report.phase(f"2 ranks: plain copy, torch.save, inmem_ft with and without DP split, {repeats} "
+                             f"repeats each"):
             attempt = cluster.run([os.path.abspath(__file__), "--worker", "--result", result, "--repeats",
                                    str(repeats), "--hidden", str(args.hidden), "--layers", str(args.layers),
                                    "--device", args.device]
-                                  + (["--disk-dir", args.disk_dir] if args.disk_dir else []), timeout_s=1800)
+                                  + (["--disk-dir", args.disk_dir] if args.disk_dir else []), timeout_s=1800,
+                                  poll=report.echo_worker(cluster, "stall"))
             if not attempt.ok:
                 print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-3000:], file=sys.stderr)
                 return 1

@@ -4,66 +4,119 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from . import units
 from .cluster import survival
-from .cluster.options import add_ec_arguments, options_from_args
+from .cluster.options import ECOptions, add_ec_arguments, options_from_args
 from .errors import ConfigError, InmemFTError
 from .smp import control, paths
+from .smp.daemon import check_budget_fits
+
+# Below this a budget holds the two slots of only a toy model's ranks: worth a warning, not an error.
+SMALL_BUDGET = 1 << 30
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`inmem-ft smp start: error: ...`), and with values such as -5GiB
+    taken as a value to reject, not as an unknown option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse's own pattern (private, stable since 3.2) accepts only plain numbers like -5 as values.
+        self._negative_number_matcher = re.compile(r"^-\d")
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"), help="job id (default: %(default)s)")
+    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
+                   help="job id (default: $INMEM_FT_JOB, else 'default')")
     p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
-                   help="this node's index (default: %(default)s)")
+                   help="this node's index (default: $INMEM_FT_NODE, else 0)")
     p.add_argument("--socket", default=os.environ.get("INMEM_FT_SMP_SOCKET"),
-                   help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
+                   help="control socket path (default: $INMEM_FT_SMP_SOCKET, else <runtime dir>/<job>/node<node>.sock)")
 
 
 def _socket(args) -> str:
     return args.socket or paths.default_socket(args.job, args.node)
 
 
-def apply_config_block(args) -> None:
+def apply_config_block(args) -> str | None:
     """Fill the SMP settings not given on the command line from the framework config's inmem_ft block,
-    so the one block in the DeepSpeed JSON configures the trainers and the node daemons alike."""
+    so the one block in the DeepSpeed JSON configures the trainers and the node daemons alike. Returns
+    where the parity came from when the block asked for it (for the message if --nodes/--peers lack)."""
     from .config import InmemFTBlock
 
-    with open(args.config) as f:
-        block = InmemFTBlock.from_framework_config(json.load(f))
+    try:
+        with open(args.config) as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {args.config}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"--config {args.config} is not valid JSON: {e}") from None
+    block = InmemFTBlock.from_framework_config(config)
     if block is None:
         raise ConfigError(f"{args.config} has no \"inmem_ft\" block")
     if args.memory_budget is None:
         args.memory_budget = block.memory_budget
-    if args.parity is None and block.parity:
-        args.parity, args.group_size = block.parity, args.group_size or block.group_size
     if block.job and args.job == "default":
         args.job = block.job
+    if args.parity is None and block.parity:
+        args.parity, args.group_size = block.parity, args.group_size or block.group_size
+        return f"{args.config} (\"parity\": {block.parity}, \"group_size\": {block.group_size})"
+    return None
 
 
 def cmd_smp_start(args) -> int:
-    if args.config:
-        apply_config_block(args)
+    asked_by = apply_config_block(args) if args.config else None
     if args.memory_budget is None:
         raise ConfigError("give --memory-budget, or --config with a memory_budget in its inmem_ft block")
-    ec = options_from_args(args)
+    ec = options_from_args(args, asked_by or "--parity")
+    check_budget_fits(args.memory_budget)
+    if args.memory_budget < SMALL_BUDGET:
+        print(f"inmem-ft: warning: a memory budget of {units.human(args.memory_budget)} holds two snapshots "
+              f"of only {units.human(args.memory_budget / 2)} for all of this node's ranks together; the first "
+              f"snapshot fails if they need more", file=sys.stderr)
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log,
                          extra_args=ec.argv() if ec else ())
-    print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}")
+    print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
+          f"{'' if ec is None else f', erasure coding with m={ec.parity} across {ec.nodes} nodes'}")
     return 0
 
 
 def cmd_smp_stop(args) -> int:
-    control.stop(_socket(args), wipe=args.wipe)
-    print(f"inmem-ft: SMP on {_socket(args)} stopped{' and its snapshots wiped' if args.wipe else ''}")
+    socket = _socket(args)
+    if control.ping(socket) is None:
+        # Nothing to stop; --wipe still frees what a dead or stopped SMP left in /dev/shm.
+        print(f"inmem-ft: no SMP is running on {socket}; nothing to stop")
+        if args.wipe:
+            count, size = control.wipe_segments(args.job, args.node)
+            print(f"inmem-ft: wiped {count} segment(s) of job {args.job} node {args.node} from /dev/shm "
+                  f"({units.human(size)})")
+        return 0
+    control.stop(socket, wipe=args.wipe)
+    print(f"inmem-ft: SMP on {socket} stopped{' and its snapshots wiped' if args.wipe else ''}")
     return 0
 
 
+def held_step(status: dict) -> int | None:
+    """The newest step every rank on this node holds committed: known from the slots alone, so also right
+    after an SMP restart, before any trainer has reported what the whole job completed."""
+    held = [{s["step"] for s in r["slots"] if s["state"] == "committed"} for r in status["ranks"]]
+    common = set.intersection(*held) if held else set()
+    return max(common, default=None)
+
+
 def format_status(status: dict) -> str:
+    complete = status["complete_step"]
     lines = [f"job {status['job']}  node {status['node']}  pid {status['pid']}  up {status['uptime_s']} s",
              f"memory  {units.human(status['used'])} used of {units.human(status['budget'])} budget",
-             f"newest step complete on every rank: {status['complete_step']}",
+             f"newest step held by every rank of this node: {status['held_step']}",
+             f"newest step the trainers reported complete on every rank of the job: "
+             f"{'none yet' if complete is None else complete}",
              f"{'rank':>6} {'slot':>4} {'state':<10} {'step':>8} {'bytes':>12}"]
     for rank in status["ranks"]:
         for slot in rank["slots"]:
@@ -80,8 +133,54 @@ def format_status(status: dict) -> str:
 
 def cmd_smp_status(args) -> int:
     status = control.call(_socket(args), "status")
+    status["held_step"] = held_step(status)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
+
+
+def cmd_inspect(args) -> int:
+    from .smp.client import SMPClient
+    from .snapshot import catalog
+
+    client = SMPClient(_socket(args))
+    try:
+        listing = client.catalog()  # every step held: an error for a missing --step can say which are
+    finally:
+        client.close()
+    if listing["unreachable"]:
+        lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
+        raise InmemFTError(f"unreachable: {lost}")
+    step = catalog.complete_step(listing["entries"], args.step)
+    table = catalog.fragments(listing["entries"], step)
+    keys = catalog.check(table)
+    first = min((e for e in listing["entries"] if e["step"] == step), key=lambda e: e["rank"])
+    topology = first["manifest"].get("topology", {})
+    if args.json:
+        print(json.dumps({"job": args.job, "step": step, "topology": topology, "coverage": keys,
+                          "fragments": table.to_pylist()}, indent=1))
+        return 0
+    print(format_inspect(args.job, step, topology, keys, table.to_pylist()))
+    return 0
+
+
+def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: list[dict]) -> str:
+    sizes = " ".join(f"{n}={topology.get(n)}" for n in ("world_size", "tp", "pp", "dp", "ep", "vpp"))
+    lines = [f"job {job}  step {step} (held for every rank)",
+             f"topology: framework {topology.get('framework')} {topology.get('framework_version') or ''}  {sizes}  "
+             f"zero_stage {topology.get('zero_stage')}",
+             "", f"{'key':<40} {'dtype':<9} {'global shape':<18} {'main':>5} {'rows':>5}  coverage"]
+    for k in keys:
+        lines.append(f"{k['key']:<40} {k['dtype']:<9} {str(tuple(k['global_shape'])):<18} {k['main_rows']:>5} "
+                     f"{k['rows']:>5}  exact")
+    lines += ["", f"{'key':<32} {'box (offset+shape)':<26} {'flat':<14} {'main':<5} {'replica':<8} {'node':>4} "
+                  f"{'rank':>5} {'slot offset':>12} {'bytes':>10} {'of fragment bytes':<20} {'source':<6}"]
+    for r in rows:
+        box = f"{tuple(r['offset'])}+{tuple(r['shape'])}"
+        part = f"[{r['frag_byte_lo']}, {r['frag_byte_lo'] + r['nbytes']})"  # a DP share may hold part of one
+        lines.append(f"{r['key']:<32} {box:<26} {str((r['flat_lo'], r['flat_hi'])):<14} {str(r['main']):<5} "
+                     f"{str(tuple(r['replica'])):<8} {r['node']:>4} {r['rank']:>5} {r['slot_offset']:>12} "
+                     f"{r['nbytes']:>10} {part:<20} {r['source']:<6}")
+    return "\n".join(lines)
 
 
 def cmd_launch(args) -> int:
@@ -90,73 +189,93 @@ def cmd_launch(args) -> int:
 
     argv = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
     if not argv:
-        print("inmem-ft launch: give the training command after --, e.g. -- train.py --steps 100", file=sys.stderr)
-        return 2
-    try:
-        failures = ([Failure.parse("rank", s) for s in args.kill_rank] +
-                    [Failure.parse("node", s) for s in args.kill_node] + [Failure.parse("hang", s) for s in args.hang_rank])
-    except ValueError as e:
-        print(f"inmem-ft launch: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError("give the training command after --, e.g. -- train.py --steps 100")
+    failures = ([Failure.parse("rank", s) for s in args.kill_rank] +
+                [Failure.parse("node", s) for s in args.kill_node] + [Failure.parse("hang", s) for s in args.hang_rank])
+    if args.parity:
+        try:
+            ECOptions(args.parity, args.nodes, "", args.group_size).groups()
+        except ValueError as e:
+            raise ConfigError(f"--parity {args.parity} --nodes {args.nodes}: {e}") from None
     work_dir = os.path.abspath(args.work_dir)
     os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(work_dir, "run"))
     timeline = scenario.run(args.nodes, args.ranks_per_node, args.job, args.memory_budget, argv, failures,
                             work_dir, compare=not args.no_compare, heartbeat_timeout_s=args.heartbeat_timeout,
                             max_restarts=args.max_restarts, parity=args.parity, group_size=args.group_size)
-    print(timeline.format())
     print(scenario.verdict(timeline))
     scenario.write_json(timeline, os.path.join(work_dir, "timeline.json"))
     if args.plot:
         scenario.plot(timeline, args.plot, f"{args.nodes} nodes x {args.ranks_per_node} ranks")
         print(f"plot: {args.plot}")
-    return 0 if timeline.ok and timeline.matches_reference is not False else 1
+    return 0 if timeline.passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inmem-ft", description=__doc__)
+    p = Parser(prog="inmem-ft", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     smp = sub.add_parser("smp", help="the node's snapshot management process").add_subparsers(
         dest="smp_command", required=True)
     start = smp.add_parser("start", help="start the node's SMP in the background")
     _node_args(start)
-    start.add_argument("--memory-budget", type=units.parse_size, default=None,
-                       help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB")
+    start.add_argument("--memory-budget", type=units.argparse_size, default=None, metavar="SIZE",
+                       help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB "
+                            "(default: the config's memory_budget)")
     start.add_argument("--config", default=None, metavar="JSON",
                        help="a DeepSpeed config: memory_budget, parity and group_size of its inmem_ft block "
-                            "fill in what the command line leaves out")
-    start.add_argument("--log", default=None, help="log file (default: beside the socket)")
+                            "fill in what the command line leaves out (default: none)")
+    start.add_argument("--log", default=None, metavar="PATH", help="log file (default: beside the socket)")
     add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")
     _node_args(stop)
-    stop.add_argument("--wipe", action="store_true", help="also delete its snapshots from memory")
+    stop.add_argument("--wipe", action="store_true",
+                      help="also delete its snapshots from /dev/shm, also when no SMP is running (default: keep)")
     stop.set_defaults(fn=cmd_smp_stop)
     status = smp.add_parser("status", help="show the SMP's slots, steps and memory")
     _node_args(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print the status as JSON (default: a table)")
     status.set_defaults(fn=cmd_smp_status)
+
+    inspect = sub.add_parser("inspect", help="every fragment of every rank of a step, where its bytes live "
+                                             "(any node, or parity for a lost one) and whether each tensor is covered")
+    _node_args(inspect)
+    inspect.add_argument("--step", type=int, default=None,
+                         help="the step to list (default: the newest step held for every rank)")
+    inspect.add_argument("--json", action="store_true", help="print the catalog as JSON (default: tables)")
+    inspect.set_defaults(fn=cmd_inspect)
 
     launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "
                                            "recover, and print the timeline")
-    launch.add_argument("--nodes", type=int, default=2)
-    launch.add_argument("--ranks-per-node", type=int, default=2)
-    launch.add_argument("--job", default="launch")
-    launch.add_argument("--memory-budget", type=units.parse_size, default="2GiB", help="per node")
+    launch.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: %(default)s)")
+    launch.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default: %(default)s)")
+    launch.add_argument("--job", default="launch", help="job id (default: %(default)s)")
+    launch.add_argument("--memory-budget", type=units.argparse_size, default="2GiB", metavar="SIZE",
+                        help="each node's SMP memory budget (default: 2GiB)")
     launch.add_argument("--parity", type=int, default=None, metavar="M",
-                        help="erasure-code the snapshots across nodes, surviving M lost nodes per group")
-    launch.add_argument("--group-size", type=int, default=None, metavar="G", help="nodes per EC group")
+                        help="erasure-code the snapshots across nodes, surviving M lost nodes per group "
+                             "(default: off)")
+    launch.add_argument("--group-size", type=int, default=None, metavar="G",
+                        help="nodes per EC group (default: largest divisor of --nodes <= 8)")
     launch.add_argument("--kill-rank", action="append", default=[], metavar="STEP:RANK",
-                        help="kill -9 RANK once it reaches STEP (repeatable)")
+                        help="kill -9 RANK once it reaches STEP (repeatable; default: none)")
     launch.add_argument("--kill-node", action="append", default=[], metavar="STEP:NODE",
-                        help="lose NODE (its ranks, its SMP and its memory) once it reaches STEP")
+                        help="lose NODE (its ranks, its SMP and its memory) once it reaches STEP (repeatable; "
+                             "default: none)")
     launch.add_argument("--hang-rank", action="append", default=[], metavar="STEP:RANK",
-                        help="freeze RANK (SIGSTOP) at STEP; the heartbeat timeout must catch it")
-    launch.add_argument("--heartbeat-timeout", type=float, default=60.0, help="seconds without a heartbeat")
-    launch.add_argument("--max-restarts", type=int, default=5)
-    launch.add_argument("--no-compare", action="store_true", help="skip the uninterrupted reference run")
-    launch.add_argument("--work-dir", default="inmem_ft_launch", help="logs, loss log, timeline.json")
-    launch.add_argument("--plot", default=None, help="PNG of loss vs step with the failures marked")
+                        help="freeze RANK (SIGSTOP) at STEP; the heartbeat timeout must catch it (repeatable; "
+                             "default: none)")
+    launch.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="a rank silent this long is hung, and all ranks restart (default: %(default)s)")
+    launch.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts before giving up (default: %(default)s)")
+    launch.add_argument("--no-compare", action="store_true",
+                        help="skip the uninterrupted reference run (default: run it and compare losses)")
+    launch.add_argument("--work-dir", default="inmem_ft_launch", metavar="DIR",
+                        help="logs, loss log, timeline.json; a run replaces what an earlier one left there "
+                             "(default: %(default)s)")
+    launch.add_argument("--plot", default=None, metavar="PNG",
+                        help="loss vs step with failures, restores and time lost marked (default: none)")
     launch.add_argument("command_line", nargs=argparse.REMAINDER, help="-- train.py [args...]")
     launch.set_defaults(fn=cmd_launch)
 

@@ -50,6 +50,9 @@ class SnapshotConfig:
     """On a failed snapshot (SMP gone, budget): 'warn' keeps training, 'raise' stops it."""
     timeout_s: float = 600.0
     """How long ranks wait for each other when agreeing on a snapshot."""
+    start_fresh: bool = False
+    """Train from scratch when the SMPs hold snapshots of a completed step that cannot be restored on every
+    rank (default: fail and say why, keeping them)."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -72,6 +75,8 @@ class SnapshotConfig:
             bad("on_error", f"must be one of {ON_ERROR}")
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             bad("timeout_s", "must be a positive number of seconds")
+        if not isinstance(self.start_fresh, bool):
+            bad("start_fresh", "must be true or false")
 
     @property
     def socket_path(self) -> str:
@@ -85,7 +90,7 @@ class SnapshotConfig:
     def from_env(cls, **overrides) -> "SnapshotConfig":
         """Defaults filled from the variables the launch scripts export, then `overrides`."""
         env = {"job": os.environ.get("INMEM_FT_JOB"), "smp_socket": os.environ.get("INMEM_FT_SMP_SOCKET"),
-               "node": _env_node()}
+               "node": _env_node(), "start_fresh": os.environ.get("INMEM_FT_START_FRESH") == "1" or None}
         merged = {k: v for k, v in env.items() if v is not None}
         merged.update(overrides)
         return cls.from_dict(merged)
@@ -120,6 +125,8 @@ class InmemFTBlock:
     on_error: str = "warn"
     staging_budget: int | str | None = None
     timeout_s: float = 600.0
+    start_fresh: bool | None = None
+    """Train from scratch when snapshots of a completed step cannot be restored (default: fail, keep them)."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -160,7 +167,8 @@ class InmemFTBlock:
     def snapshot_config(self, **env_overrides) -> SnapshotConfig:
         """The trainer-side SnapshotConfig: this block's values over what the launch scripts export."""
         mine = {"interval": self.interval, "on_error": self.on_error, "timeout_s": self.timeout_s,
-                "staging_budget": self.staging_budget, "job": self.job, "smp_socket": self.smp_socket}
+                "staging_budget": self.staging_budget, "job": self.job, "smp_socket": self.smp_socket,
+                "start_fresh": self.start_fresh}
         return SnapshotConfig.from_env(**{k: v for k, v in mine.items() if v is not None}, **env_overrides)
 
     @classmethod

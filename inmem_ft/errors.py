@@ -35,3 +35,11 @@ class UnsafeType(InmemFTError, TypeError):
 
 class UnknownFormat(InmemFTError):
     """A snapshot was written in a format version this inmem_ft does not read; it is kept, never loaded."""
+
+
+class StepIncomplete(InmemFTError):
+    """No node holds the asked step (or any step) for every rank of the job."""
+
+
+class CatalogHole(InmemFTError):
+    """The main fragments of a global tensor miss some of its elements or hold some twice."""

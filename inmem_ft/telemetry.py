@@ -1,17 +1,18 @@
-"""What a trainer tells the outside world: a per-rank heartbeat file and the loss log.
+"""What a trainer tells the outside world: a per-rank heartbeat file, the loss log, and log lines.
 
-Supervisors (`inmem-ft launch`, the demo) read them to notice hung ranks, to inject failures at a given
-step and to draw the timeline. Both are opt-in through environment variables the supervisor sets, and
-cost one small file write per step.
+Supervisors (`inmem-ft launch`, the demo) read heartbeats and losses to notice hung ranks, to inject
+failures at a given step and to draw the timeline. Both are opt-in through environment variables the
+supervisor sets, and cost one small file write per step. No torch at import: the SMP daemon logs through
+here too.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
-import torch.distributed as dist
-
+LOG_FORMAT = "%(asctime)s %(levelname)s [inmem_ft] %(message)s"
 HEARTBEAT_DIR = "INMEM_FT_HEARTBEAT_DIR"
 LOSS_LOG = "INMEM_FT_LOSS_LOG"
 
@@ -47,9 +48,24 @@ def read_heartbeats(directory: str) -> dict[int, dict]:
     return out
 
 
+def log_to_stderr(level: int = logging.INFO) -> None:
+    """Print inmem_ft's log lines, and only those, to stderr with the documented `[inmem_ft]` prefix
+    (`event=commit`, `source=memory`, ...), whatever the application's own logging does."""
+    logger = logging.getLogger("inmem_ft")
+    if not any(getattr(h, "inmem_ft", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.inmem_ft = True
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # an application's root handler would print the lines again, without it
+
+
 def report_loss(step: int, loss: float, path: str | None = None, **extra) -> None:
     """Append (step, loss) to the loss log (`path` or $INMEM_FT_LOSS_LOG) from rank 0; a no-op without one.
     `extra`: more numbers of the step to log beside it (e.g. grad_norm)."""
+    import torch.distributed as dist
+
     path = path or os.environ.get(LOSS_LOG)
     if not path or (dist.is_initialized() and dist.get_rank() != 0):
         return
@@ -63,6 +79,8 @@ def read_losses(path: str) -> dict[int, float]:
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
+                if not line.endswith("\n"):
+                    break  # rank 0 is still writing it (the log is read while training runs)
                 rec = json.loads(line)
                 out[rec["step"]] = rec["loss"]
     return out

@@ -38,7 +38,7 @@ def write_step(cluster, step, seed=0):
     for rank in range(cluster.world_size):
         n = 50_000 + 7919 * rank  # unequal nodes: exercises the padding
         data = rng.integers(0, 256, n, dtype=np.uint8)
-        manifest = {"rank": rank, "step": step, "world_size": cluster.world_size,
+        manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": cluster.world_size,
                     "leaves": [{"o": 0, "n": n, "h": to_hex(checksum(data)), "dt": "uint8", "sh": [n]}]}
         raw = seg.encode_manifest(manifest)
         client = SMPClient(cluster.socket_path(cluster.node_of(rank)))

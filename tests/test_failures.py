@@ -130,3 +130,44 @@ def test_socket_and_segments_are_owner_only(job, smp):
 def test_bad_config_values_name_the_key(values, key):
     with pytest.raises(ConfigError, match=key):
         SnapshotConfig.from_dict(values)
+
+
+def test_completed_step_missing_on_a_rank_fails_clearly_and_keeps_the_rest(job, runtime):
+    """A rank whose snapshots are gone (a node lost without erasure coding) must not silently restart the
+    job from step 0: the restore fails saying why and how to proceed; start_fresh is the explicit opt-in."""
+    example = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", "4", "--interval", "2"]
+    with SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs")) as cluster:
+        assert cluster.run(example).ok
+        cluster.lose_node(1)
+        cluster.start_smp(1)  # a replacement with empty memory and no erasure coding to rebuild from
+        attempt = cluster.run(example)
+        assert not attempt.ok
+        log = cluster.rank_log(attempt.number, 0)
+        assert "NoUsableSnapshot" in log and "completed step 4" in log and "INMEM_FT_START_FRESH=1" in log
+        assert control.call(cluster.socket_path(0), "list", rank=0)["slots"][0]["step"] == 4  # kept
+        attempt = cluster.run(example, extra_env={"INMEM_FT_START_FRESH": "1"})
+        assert attempt.ok and "starting from scratch" in cluster.rank_log(attempt.number, 0)
+
+
+def test_smp_keeps_but_never_adopts_another_releases_slot(job, runtime):
+    from inmem_ft.smp.segments import Segment
+    from inmem_ft.snapshot import flatten, plan, segment as seg
+
+    manifest = {**plan(flatten({"w": torch.zeros(2)}), step=3, rank=0, world_size=1).manifest, "format": "x/9"}
+    raw = seg.encode_manifest(manifest)
+    name = paths.segment_name(job, 0, 0, 0, 0)
+    planted = Segment(name, seg.slot_size(len(raw), 0), create=True)
+    planted.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+    seg.Header(seg.COMMITTED, 3, len(raw), seg.data_offset(len(raw)), 0, seg.checksum(raw)).write(planted.buf)
+    planted.close()
+    control.start(job, 0, 64 << 20)
+    try:
+        assert control.call(paths.default_socket(job, 0), "list", rank=0)["slots"] == []
+        assert "event=unknown_format" in open(paths.default_log(job, 0)).read()
+        assert os.path.exists(path_of(name))
+        with Snapshotter(SnapshotConfig(job=job)) as snap:  # new slots take other names
+            snap.save(1, state(1))
+        assert os.path.exists(path_of(name))
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+        os.unlink(path_of(name))

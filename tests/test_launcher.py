@@ -1,8 +1,12 @@
 """`inmem-ft launch`: the supervisor's restart loop recovers from a killed rank, a lost node (rebuilt from
 its EC group) and a hung rank, and the job ends on exactly the uninterrupted run's losses."""
 import json
+import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 
 def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime, job):
@@ -26,3 +30,63 @@ def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime,
     assert all("memory" in e["text"] for e in restores) and "peer reconstruction" in restores[1]["text"]
     assert timeline["matches_reference"] is True
     assert "equals the uninterrupted run's" in out.stdout and (work / "plot.png").stat().st_size > 0
+
+
+def launch(work, job, *args, steps=8):
+    return subprocess.run(
+        [sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir", str(work), "--nodes", "1",
+         "--no-compare", *args, "--", "-m", "inmem_ft.examples.plain_pytorch", "--steps", str(steps),
+         "--interval", "3"], capture_output=True, text=True, timeout=300)
+
+
+def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_that_never_happened_fails_it(
+        runtime, job):
+    work = runtime / "launch"
+    first = launch(work, job, "--kill-rank", "4:1", "--heartbeat-timeout", "30")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "exited with -9" in first.stdout and re.search(r"restore +step [36] from memory", first.stdout)
+    # Same folder, same job id: nothing of the first run (heartbeats, losses, snapshots) may show up.
+    second = launch(work, job, "--kill-rank", "99:0", "--heartbeat-timeout", "30")
+    assert second.returncode == 1, second.stdout + second.stderr
+    timeline = json.loads((work / "timeline.json").read_text())
+    kinds = [e["kind"] for e in timeline["events"]]
+    assert kinds.count("start") == 1 and "detected" not in kinds and "failure" not in kinds
+    assert [e["text"] for e in timeline["events"] if e["kind"] == "restore"] == ["no snapshot: starting from step 0"]
+    assert timeline["missed"] == ["kill -9 rank 0 at step 99"] and timeline["passed"] is False
+    assert "FAILED: requested failure(s) never happened (kill -9 rank 0 at step 99)" in second.stdout
+    # Lines come out as they happen, before the verdict.
+    assert second.stdout.index("restore     no snapshot") < second.stdout.index("FAILED")
+    # Every key=value line the trainers and SMPs logged carries the documented prefix.
+    logged = [line for log in (work / "logs").glob("*.log") for line in log.read_text().splitlines()
+              if re.search(r"\b(event|rank|node)=\S", line)]
+    assert any("event=commit" in line for line in logged)
+    assert all("INFO [inmem_ft] " in line or "WARNING [inmem_ft] " in line for line in logged), logged
+
+
+def test_a_failure_outside_the_job_is_refused_before_anything_starts(runtime, job):
+    out = launch(runtime / "launch", job, "--kill-node", "5")
+    assert out.returncode == 1 and out.stderr.strip() == "inmem-ft: error: --kill-node '5': expected STEP:NODE, e.g. 12:1"
+    out = launch(runtime / "launch", job, "--kill-rank", "10:99")
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "inmem-ft: error: --kill-rank 10:99: the job has 2 ranks (0..1), so this failure could never happen")
+    out = launch(runtime / "launch", job, "--parity", "1")  # one node: no group to protect it
+    assert out.returncode == 1 and out.stderr.startswith("inmem-ft: error: --parity 1 --nodes 1: ")
+    assert not (runtime / "launch").exists()
+
+
+@pytest.mark.slow
+def test_make_demo_twice_in_the_same_folder_reports_each_run_truthfully(runtime):
+    """What `make demo` runs, twice in one folder: the second run must not see the first's heartbeats,
+    losses or snapshots, and must report the same kind of recovery."""
+    env = {**os.environ, "INMEM_FT_DEMO_DIR": str(runtime / "out" / "demo")}
+    for run in (1, 2):
+        out = subprocess.run([sys.executable, "-m", "inmem_ft.demo"], env=env, capture_output=True, text=True,
+                             timeout=1800)
+        assert out.returncode == 0, f"run {run}:\n{out.stdout}{out.stderr}"
+        timeline = json.loads((runtime / "out" / "demo" / "timeline.json").read_text())
+        kinds = [e["kind"] for e in timeline["events"]]
+        assert kinds.count("start") == 3 and kinds.count("detected") == 2 and kinds.count("failure") == 2
+        assert "no heartbeat" not in out.stdout and timeline["missed"] == []
+        restores = [e["text"] for e in timeline["events"] if e["kind"] == "restore" and e["step"]]
+        assert len(restores) == 2 and "from memory in" in restores[0] and "peer reconstruction" in restores[1]
+        assert "equals the uninterrupted run's" in out.stdout and (runtime / "out" / "demo.png").stat().st_size

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from inmem_ft import Replicated, ShardSpec, Sharded, UnsafeType, capture_rng_state, register_safe_class
+from inmem_ft import Replicated, ShardSpec, Sharded, SnapshotCorrupt, UnsafeType, capture_rng_state, register_safe_class
 from inmem_ft.snapshot import flatten, plan, shard_specs, unpack
 from inmem_ft.snapshot import segment as seg
 
@@ -151,3 +151,44 @@ def test_corruption_is_detected_at_every_level():
         bad[offset] ^= 0x01
         with pytest.raises(seg.SnapshotCorrupt, match=what):
             seg.verify(memoryview(bad), "slot")
+
+
+def _slot_bytes(manifest: dict, version: int = seg.VERSION) -> bytearray:
+    raw = seg.encode_manifest(manifest)
+    buf = bytearray(seg.slot_size(len(raw), 0))
+    buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+    header = seg.Header(seg.COMMITTED, 3, len(raw), seg.data_offset(len(raw)), 0, seg.checksum(raw))
+    body = seg._FIELDS.pack(seg.MAGIC, version, header.state, header.step, seg.HEADER_SIZE, header.manifest_len,
+                            header.data_off, header.data_len, header.manifest_hash)
+    buf[: len(body) + 8] = body + seg._HASH.pack(seg.checksum(body))
+    return buf
+
+
+def test_unknown_format_versions_are_refused_with_a_clear_error():
+    from inmem_ft import UnknownFormat
+
+    manifest = plan(flatten({"w": torch.zeros(2)}), step=3, rank=0, world_size=1).manifest
+    seg.read_committed(_slot_bytes(manifest), "slot")  # the current format reads
+    with pytest.raises(UnknownFormat, match=r"manifest format 'inmem_ft/9', this inmem_ft reads 'inmem_ft/2'"):
+        seg.read_committed(_slot_bytes({**manifest, "format": "inmem_ft/9"}), "slot")
+    with pytest.raises(UnknownFormat, match="slot header version 7, this inmem_ft reads version 1"):
+        seg.read_committed(_slot_bytes(manifest, version=7), "slot")
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_copy_verified_copies_every_region_and_names_a_corrupted_one(workers):
+    from inmem_ft.capture.copier import Copier
+
+    state = {"own": [torch.randn(n) for n in (0, 5, 3_000_000, 70_000, 1)],
+             "rep": Replicated({"w": torch.randn(10_000)})}
+    p = plan(flatten(state), step=4, rank=1, world_size=2, dp_rank=1, dp_size=2)
+    data = torch.zeros(p.data_len, dtype=torch.uint8)
+    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    seg.region_hashes(data.numpy(), p.manifest)
+    out = seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)
+    for start, end, _, _ in seg.regions(p.manifest):
+        assert torch.equal(out[start:end], data[start:end])
+    leaf = p.manifest["leaves"][3]  # the 70,000-float tensor, whichever worker copies it
+    data[leaf["o"] + 4 * 12345] ^= 0x10
+    with pytest.raises(SnapshotCorrupt, match=r"step 4 tensor #3 \(float32\[70000\]\) fails its checksum"):
+        seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)

@@ -18,6 +18,8 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    # Restored tensors may be views into one restore buffer; set_rng_state crashes (torch 2.13, SIGSEGV) on
+    # a view with a storage offset, so it gets a compact copy of these few bytes.
+    torch.set_rng_state(state["torch"].clone())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])

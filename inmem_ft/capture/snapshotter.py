@@ -8,6 +8,7 @@ survives a crash at any instant.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,18 +19,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import SnapshotConfig
-from ..errors import BudgetExceeded, InmemFTError, LayoutMismatch, SnapshotCorrupt
+from ..errors import BudgetExceeded, InmemFTError
 from ..smp.client import SMPClient
-from ..smp.segments import Segment, path_of
+from ..smp.segments import Segment
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology
 from ..snapshot.tree import flatten
 from ..telemetry import Heartbeat
-from .agreement import Agreement, all_gather_bytes
+from .agreement import Agreement
 from .copier import Copier
+from .restore import NO_STEP, RestoreInfo, Restorer, replicated_region
 
 log = logging.getLogger("inmem_ft.capture")
-NO_STEP = -1
 
 
 @dataclass
@@ -43,16 +44,6 @@ class Metrics:
     stalls_s: list[float] = field(default_factory=list)
     flushes: int = 0
     last_flush_s: float = 0.0
-
-
-@dataclass
-class RestoreInfo:
-    step: int
-    source: str
-    seconds: float
-    bytes: int
-    path: str | None = None
-    """A file that holds the restored snapshot (its shared-memory slot), for loaders that want a path."""
 
 
 class _Attached:
@@ -136,7 +127,8 @@ class Snapshotter:
         target, work, error = None, None, None
         try:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
-                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved)
+                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
+                                   local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
             target = self._attach(reply["segment"])
             if not overlap:
                 target.for_writing()  # else the commit thread prefaults, off the training path
@@ -223,7 +215,8 @@ class Snapshotter:
         t0 = time.perf_counter()
         manifest = plan.manifest
         data = target.bytes[data_off: data_off + plan.data_len]
-        replicated = self._gather_replicated(manifest, data)  # collective: outside the try, all ranks join
+        # Collective: outside the try, all ranks join.
+        replicated = replicated_region(self, manifest, data, step, data_off)
         ok = True
         try:
             self.disk.write(step, layout.unpack(manifest, data, replicated))
@@ -271,85 +264,11 @@ class Snapshotter:
 
     # ---- restoring --------------------------------------------------------------------------------------
     def restore(self):
-        """Collective: the state of the newest step every rank holds intact, or None to start fresh."""
+        """Collective: the state of the newest step every rank holds intact, or None when no step was ever
+        complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
+        (unless config.start_fresh)."""
         self.wait()
-        t0 = time.perf_counter()
-        entries = self._smp.call("list", rank=self.rank)["slots"]  # newest first
-        # Usually every rank's newest slot is intact and of the same step: verify only that one, and read
-        # (checksum) the older one only when the ranks disagree.
-        local = self._verified(entries[:1])
-        rows = self._gather_candidates(local)
-        if len({row[0] for row in rows}) != 1 or rows[0][0] == NO_STEP:
-            local = self._verified(entries)
-            rows = self._gather_candidates(local)
-        common = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
-        if not common:
-            if any(s != NO_STEP for row in rows for s in row[:2]):
-                log.warning("restore rank=%d event=none_complete steps_per_rank=%s: no step is intact on every "
-                            "rank; starting from scratch", self.rank, [row[:2] for row in rows])
-            self._smp.call("restored", rank=self.rank, step=None)
-            self._complete = None
-            if self._heartbeat:
-                self._heartbeat.beat(step=0, restored=None)
-            return None
-        step = max(common)
-        attached, manifest, source = next((a, m, src) for s, a, m, src in local if s == step)
-        header = seg.Header.read(attached.segment.buf)
-        data = attached.bytes[header.data_off: header.data_off + header.data_len]
-        replicated = self._gather_replicated(manifest, data)
-        state = layout.unpack(manifest, data, replicated)
-        self._smp.call("restored", rank=self.rank, step=step)
-        self._complete = step
-        self.last_restore = RestoreInfo(step, source, time.perf_counter() - t0, header.data_len,
-                                        path_of(attached.segment.name))
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d", self.rank, step,
-                 source.replace(" ", "_"), self.last_restore.seconds, header.data_len)
-        if self._heartbeat:
-            self._heartbeat.beat(step=step, restored=vars(self.last_restore))
-        return state
-
-    def _gather_candidates(self, local) -> list[list[int]]:
-        """Every rank's verified steps (two, padded) and the world size of a foreign-layout snapshot, if any."""
-        mismatch = next((m["world_size"] for _, _, m, _ in local if m["world_size"] != self.world_size), 0)
-        steps = [s for s, _, _, _ in local][:2]
-        rows = self._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch])
-        for rank, row in enumerate(rows):
-            if row[2]:
-                raise LayoutMismatch(
-                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
-                    f"{self.world_size}; restart with the original layout (this release cannot reshard a snapshot "
-                    f"to another layout). Nothing was discarded.")
-        return rows
-
-    def _verified(self, entries: list[dict]):
-        out = []
-        for entry in entries:
-            attached = self._attach(entry["segment"])
-            try:
-                _, manifest = seg.verify(attached.segment.buf, f"rank {self.rank} slot {entry['segment']}")
-            except SnapshotCorrupt as e:
-                log.warning("restore rank=%d step=%d event=corrupt: %s; falling back to an older snapshot",
-                            self.rank, entry["step"], e)
-                continue
-            out.append((entry["step"], attached, manifest, entry["source"]))
-        return out
-
-    def _gather_replicated(self, manifest: dict, data: torch.Tensor) -> torch.Tensor | None:
-        rep = manifest.get("replicated")
-        if not rep:
-            return None
-        if rep["dp_size"] != self.dp_size:
-            raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
-                                 f"data-parallel ranks, this job has {self.dp_size}; restart with the original "
-                                 f"layout (this release cannot reshard a snapshot)")
-        _, _, chunk = layout.share_bounds(rep["total"], self.dp_rank, self.dp_size)
-        mine = rep["hi"] - rep["lo"]
-        share = torch.empty(chunk, dtype=torch.uint8)
-        share[:mine] = data[rep["o"]: rep["o"] + mine]
-        share[mine:] = 0  # the last share's padding
-        if self.dp_size == 1:
-            return share
-        return all_gather_bytes(share, self._dp_gloo)[: rep["total"]]
+        return Restorer(self).restore()
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -17,12 +17,10 @@ import struct
 
 import numpy as np
 
+from ..snapshot.segment import align
+
 _LEN = struct.Struct("<Q")
-_ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+MAX_INDEX = 16 << 20  # bytes of index JSON: far above any node's, bounds what a garbage length could ask for
 
 
 class NodeData:
@@ -32,10 +30,10 @@ class NodeData:
         ranks, off = {}, 0
         for rank in sorted(slots):
             ranks[str(rank)] = [off, len(slots[rank])]
-            off = _align(off + len(slots[rank]))
+            off = align(off + len(slots[rank]))
         index = json.dumps({"step": step, "ranks": ranks}, separators=(",", ":")).encode()
         head = _LEN.pack(len(index)) + index
-        base = _align(len(head))
+        base = align(len(head))
         self.parts = [(0, memoryview(head))] + [(base + ranks[str(r)][0], slots[r]) for r in sorted(slots)]
         self.length = self.parts[-1][0] + len(self.parts[-1][1])
 
@@ -55,11 +53,22 @@ class NodeData:
         return out
 
 
+def read_index(read) -> tuple[int, dict[int, tuple[int, int]]]:
+    """(step, rank -> (offset, length) of its slot bytes in the node data) through `read(offset, n) -> bytes`,
+    so a lost node's index can be decoded from parity piece by piece; ValueError if the index is garbage."""
+    (n,) = _LEN.unpack(bytes(read(0, _LEN.size)))
+    if n > MAX_INDEX:
+        raise ValueError(f"node data index claims {n} bytes, more than the {MAX_INDEX}-byte limit")
+    index = json.loads(bytes(read(_LEN.size, n)))
+    base = align(_LEN.size + n)
+    return int(index["step"]), {int(r): (base + o, ln) for r, (o, ln) in index["ranks"].items()}
+
+
 def split(data: np.ndarray) -> tuple[int, dict[int, np.ndarray]]:
     """(step, rank -> slot bytes) from a node's (rebuilt) data; raises ValueError if the index is garbage."""
-    (n,) = _LEN.unpack(data[: _LEN.size].tobytes())
-    if n > len(data):
-        raise ValueError(f"node data index claims {n} bytes, more than the {len(data)} bytes rebuilt")
-    index = json.loads(data[_LEN.size: _LEN.size + n].tobytes())
-    base = _align(_LEN.size + n)
-    return int(index["step"]), {int(r): data[base + o: base + o + ln] for r, (o, ln) in index["ranks"].items()}
+    def read(off, n):
+        if off + n > len(data):
+            raise ValueError(f"node data index points past the {len(data)} bytes rebuilt")
+        return data[off: off + n]
+    step, ranks = read_index(read)
+    return step, {r: read(o, ln) for r, (o, ln) in ranks.items()}

@@ -1,7 +1,7 @@
-"""Erasure-coding settings of an SMP: its command-line arguments, and the argv that starts one with them.
+"""Peer and erasure-coding settings of an SMP: its command-line arguments, and the argv that starts one.
 
 `inmem-ft smp start` and `python -m inmem_ft.smp` share `add_ec_arguments`; launchers build an
-`ECOptions` and pass `argv()` through `smp.control.start`.
+`ECOptions` (or pass --peers alone, for cross-node reads without parity) through `smp.control.start`.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 from dataclasses import dataclass
 
 from .. import units
+from ..errors import ConfigError
 from .groups import Groups
 from .transport import load_secret, parse_peers
 
@@ -40,26 +41,62 @@ class ECOptions:
 
 def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("erasure coding across nodes (off unless --parity is given)")
-    g.add_argument("--parity", type=int, default=None, metavar="M", help="lost nodes per EC group to survive")
-    g.add_argument("--nodes", type=int, default=None, help="number of nodes in the job")
+    g.add_argument("--parity", type=int, default=None, metavar="M",
+                   help="lost nodes per EC group to survive; 0 turns erasure coding off (default: off, or "
+                        "the parity of `smp start --config`)")
+    g.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes in the job (default: none)")
     g.add_argument("--group-size", type=int, default=None, metavar="G",
-                   help="nodes per EC group (consecutive node ids); default: largest divisor of --nodes <= 8")
-    g.add_argument("--peers", default=None, help="NODE=HOST:PORT,... SMP-to-SMP address of every node")
-    g.add_argument("--secret-file", default=None, help="per-job secret (mode 0600); default $INMEM_FT_SECRET")
-    g.add_argument("--ec-bandwidth", type=units.parse_size, default=None, metavar="BYTES_PER_S",
-                   help="cap on outgoing parity traffic, bytes per second")
+                   help="nodes per EC group (consecutive node ids) (default: largest divisor of --nodes <= 8)")
+    p = parser.add_argument_group("SMP-to-SMP links: cross-node reads, and erasure coding when --parity is given")
+    p.add_argument("--peers", default=None, metavar="NODE=HOST:PORT,...",
+                   help="SMP-to-SMP address of every node (default: none: this node's snapshots only)")
+    p.add_argument("--secret-file", default=None, metavar="PATH",
+                   help="per-job secret of at least 16 bytes, mode 0600 (default: $INMEM_FT_SECRET)")
+    p.add_argument("--ec-bandwidth", type=units.argparse_size, default=None, metavar="BYTES_PER_S",
+                   help="cap on outgoing SMP-to-SMP bulk traffic, bytes per second (default: uncapped)")
 
 
-def options_from_args(args: argparse.Namespace) -> ECOptions | None:
-    if args.parity is None:
+def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> ECOptions | None:
+    """The EC settings of a node's SMP, checked here (before any daemon starts) so that a bad peer list,
+    group or secret is one line at the command, not a traceback in the daemon's log. `asked_by` names
+    where the parity came from, for the message when --nodes/--peers are missing."""
+    if not args.parity:
         return None
     if args.nodes is None or not args.peers:
-        raise SystemExit("erasure coding (--parity) needs --nodes and --peers NODE=HOST:PORT,...")
-    return ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
+        raise ConfigError(f"{asked_by} asks for erasure coding across nodes: add --nodes N and --peers "
+                          f"0=HOST:PORT,1=HOST:PORT,... (every node's SMP address), or --parity 0 for a "
+                          f"single node without it")
+    options = ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth)
+    try:
+        groups = options.groups()
+    except ValueError as e:
+        raise ConfigError(f"--parity {args.parity} --nodes {args.nodes}: {e}") from None
+    try:
+        peers = parse_peers(options.peers)
+    except ValueError as e:
+        raise ConfigError(f"--peers: {e}") from None
+    if not 0 <= args.node < args.nodes:
+        raise ConfigError(f"--node {args.node} is outside the job's --nodes {args.nodes} (0..{args.nodes - 1})")
+    missing = sorted(set(groups.members(args.node)) - set(peers))
+    if missing:
+        raise ConfigError(f"--peers lacks the address of node(s) {missing} of node {args.node}'s EC group")
+    try:
+        load_secret(options.secret_file)
+    except OSError as e:
+        raise ConfigError(f"--secret-file: {e.strerror}: {e.filename}") from None
+    return options
 
 
-def make_protector(smp, options: ECOptions):
+def make_peers(args: argparse.Namespace, node: int, job: str):
+    """The SMP's peer links: networked with --peers (the job secret is then required), else local only."""
+    from .peers import Peers
+
+    if not args.peers:
+        return Peers(node, job, {})
+    return Peers(node, job, parse_peers(args.peers), load_secret(args.secret_file), args.ec_bandwidth)
+
+
+def make_protector(smp, options: ECOptions, peers):
     from .protection import Protector
 
-    return Protector(smp, options.groups(), parse_peers(options.peers), load_secret(options.secret_file),
-                     options.bandwidth)
+    return Protector(smp, options.groups(), peers)

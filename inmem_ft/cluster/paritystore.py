@@ -33,6 +33,7 @@ def name_of(prefix: str, step: int) -> str:
 class ParitySet:
     def __init__(self, segment: Segment, record: dict):
         self.segment, self.record = segment, record
+        self._verified: set[int] = set()  # chunks checked once: sealed parity is never written again
 
     @classmethod
     def create(cls, prefix: str, step: int, m: int, chunk_size: int, group: dict) -> "ParitySet":
@@ -64,9 +65,12 @@ class ParitySet:
 
     def verified_chunk(self, i: int, where: str) -> np.ndarray:
         data = self.chunk(i)
+        if i in self._verified:
+            return data
         if to_hex(checksum(data)) != self.record["hashes"][i]:
             raise SnapshotCorrupt(f"{where}: parity chunk {i} of step {self.step} fails its checksum: the parity "
                                   f"in memory was corrupted and cannot be used to rebuild")
+        self._verified.add(i)
         return data
 
     def write_record(self) -> None:

@@ -7,6 +7,8 @@ Runs inside the SMP, beside its control socket, in background threads:
   parity of older steps is dropped and the daemon may overwrite their slots.
 - rebuild, when an SMP starts with empty memory and its peers hold parity: it asks the survivors for
   their chunks, decodes its node data and parity, and installs its ranks' slots, which restores verify.
+- decode_range, for reads of a lost member's slots (cluster/slotreads.py): any byte range of its node
+  data, from the same range of k surviving chunks of each stripe it touches.
 
 Pull, not push: a parity holder asks for exactly the bytes it encodes next, so memory stays at k pieces
 per transfer and a slow or dead peer only stalls the nodes that need it.
@@ -24,11 +26,11 @@ from tqdm import tqdm
 
 from ..ec.stripes import DATA, StripeLayout, rebuild, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
-from ..snapshot import segment as seg
 from . import nodedata, paritystore
 from .groups import Groups
 from .paritystore import BUILT, PROTECTED, ParitySet
-from .transport import MAX_PAYLOAD, PeerClient, PeerServer, PeerUnavailable, TokenBucket
+from .peers import Peers
+from .transport import MAX_PAYLOAD, PeerUnavailable
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
@@ -36,19 +38,19 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 
 
 class Protector:
-    def __init__(self, smp, groups: Groups, peers: dict[int, tuple[str, int]], secret: bytes,
-                 bandwidth: float | None = None):
+    def __init__(self, smp, groups: Groups, peers: Peers):
         self.smp, self.node, self.groups = smp, smp.node, groups
         self.members, self.pos = groups.members(self.node), groups.position(self.node)
-        missing = [n for n in self.members if n not in peers]
+        missing = [n for n in self.members if n not in peers.addresses]
         if missing:
             raise ValueError(f"no address for EC group members {missing} of node {self.node}: list every node of "
                              f"its group in --peers (NODE=HOST:PORT,...)")
         self.layout = StripeLayout(groups.size, groups.m)
-        bucket = TokenBucket(bandwidth)
-        self.clients = {n: PeerClient(n, peers[n], secret, smp.job, self.node, bucket)
-                        for n in self.members if n != self.node}
-        self.server = PeerServer(*peers[self.node], secret, smp.job, self.node, self._serve, bucket)
+        self.peers = peers
+        self.clients = {n: peers.clients[n] for n in self.members if n != self.node}
+        for op, handler in (("describe", self._describe), ("node_read", self._node_read), ("state", self._state),
+                            ("chunk", self._chunk)):
+            peers.register(op, handler, self.members)
         self.sets: dict[int, ParitySet] = {}
         self.protected: int | None = None
         self.failed: int | None = None
@@ -71,13 +73,7 @@ class Protector:
         self.protected = max(done) if done else None
 
     def start(self) -> None:
-        self.server.start()
         threading.Thread(target=self._run, name="inmem_ft-ec", daemon=True).start()
-
-    def close(self) -> None:
-        self.server.close()
-        for client in self.clients.values():
-            client.close()
 
     def wipe(self) -> None:
         for ps in self.sets.values():
@@ -136,7 +132,8 @@ class Protector:
                 self.clients[n].call({"op": "describe", "step": step})[0]["length"] for n in self.members]
         padded = self.layout.padded_size(max(lens))
         cs = self.layout.chunk_size(padded)
-        group = {"members": self.members, "lens": lens, "padded": padded}
+        group = {"members": self.members, "lens": lens, "padded": padded,
+                 "ranks": sorted(self.smp.committed_views(step))}
         with self.smp.lock:
             if step in self.sets:
                 self.sets.pop(step).drop()
@@ -169,12 +166,14 @@ class Protector:
             self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
             for old in [s for s in self.sets if s < step]:
                 self.sets.pop(old).drop()
+            self.smp.release_moved(step)
             self.smp.cond.notify_all()  # a begin may be waiting for the older protected slot to be released
         log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
                  self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
 
     def _read(self, node: int, step: int, offset: int, into: np.ndarray) -> np.ndarray:
-        return self.clients[node].call({"op": "read", "step": step, "off": offset, "len": into.nbytes}, into=into)[1]
+        return self.clients[node].call({"op": "node_read", "step": step, "off": offset, "len": into.nbytes},
+                                       into=into)[1]
 
     def _wait_group_built(self, step: int) -> None:
         deadline = time.monotonic() + BUILT_WAIT_S
@@ -193,51 +192,94 @@ class Protector:
                 time.sleep(0.02)
 
     def _node_data(self, step: int) -> nodedata.NodeData:
+        # Once parity of `step` exists, its node data is the ranks it was encoded from: a rank pulled here
+        # since (it moved to this node) must not change the bytes the group decodes against.
         with self.smp.lock:
-            slots = {}
-            for rank, rank_slots in self.smp.slots.items():
-                for slot in rank_slots:
-                    h = slot.header if slot is not None else None
-                    if h is not None and h.state == seg.COMMITTED and h.step == step:
-                        slots[rank] = slot.segment.buf[: h.data_off + h.data_len]
-                if rank not in slots:
-                    raise SnapshotCorrupt(f"node {self.node} holds no committed slot of step {step} for rank {rank}")
-            if not slots:
-                raise SnapshotCorrupt(f"node {self.node} holds no slots of step {step}")
+            ps = self.sets.get(step)
+        slots = self.smp.committed_views(step, ps.record.get("ranks") if ps is not None else None)
+        if not slots:
+            raise SnapshotCorrupt(f"node {self.node} holds no slots of step {step}")
         return nodedata.NodeData(step, slots)
 
-    def _data_steps(self) -> list[int]:
-        with self.smp.lock:
-            per_rank = [{s.committed_step() for s in slots if s is not None} - {None}
-                        for slots in self.smp.slots.values()]
-        return sorted(set.intersection(*per_rank)) if per_rank else []
-
     # ---- serving peers ---------------------------------------------------------------------------------
-    def _serve(self, peer: int, header: dict, payload):
-        if peer not in self.clients:
-            raise InmemFTError(f"node {peer} is not in EC group {self.members}")
-        op = header.get("op")
-        if op == "describe":
-            return {"length": self._node_data(int(header["step"])).length}, ()
-        if op == "read":
-            off, length = int(header["off"]), int(header["len"])
-            if off < 0 or not 0 <= length <= MAX_PAYLOAD:
-                raise InmemFTError(f"read of {length} bytes at {off} is out of range")
-            return {}, self._node_data(int(header["step"])).pieces(off, length)
-        if op == "state":
-            with self.smp.lock:
-                built = {str(s): ps.record for s, ps in self.sets.items() if ps.state in (BUILT, PROTECTED)}
-            return {"built": built, "protected": self.protected, "failed": self.failed, "data": self._data_steps(),
-                    "rebuilding": not self.rebuild_done.is_set()}, ()
-        if op == "chunk":
-            step, stripe = int(header["step"]), int(header["stripe"])
-            with self.smp.lock:
-                ps = self.sets.get(step)
-            if ps is None or ps.state not in (BUILT, PROTECTED):
-                raise InmemFTError(f"node {self.node} holds no parity of step {step}")
-            i = [s for s, _ in self.layout.parity_for_node(self.pos)].index(stripe)
-            return {}, [ps.verified_chunk(i, f"node {self.node}")]
-        raise InmemFTError(f"unknown peer operation {op!r}")
+    def _describe(self, peer, header, payload):
+        return {"length": self._node_data(int(header["step"])).length}, ()
+
+    def _node_read(self, peer, header, payload):
+        off, length = int(header["off"]), int(header["len"])
+        if off < 0 or not 0 <= length <= MAX_PAYLOAD:
+            raise InmemFTError(f"read of {length} bytes at {off} is out of range")
+        return {}, self._node_data(int(header["step"])).pieces(off, length)
+
+    def _state(self, peer, header, payload):
+        with self.smp.lock:
+            built = {str(s): ps.record for s, ps in self.sets.items() if ps.state in (BUILT, PROTECTED)}
+        return {"built": built, "protected": self.protected, "failed": self.failed,
+                "data": self.smp.complete_steps_held(), "rebuilding": not self.rebuild_done.is_set()}, ()
+
+    def _chunk(self, peer, header, payload):
+        """This node's parity chunk of a stripe, or bytes [off, off+len) of it."""
+        step, stripe = int(header["step"]), int(header["stripe"])
+        ps = self._parity(step)
+        i = [s for s, _ in self.layout.parity_for_node(self.pos)].index(stripe)
+        chunk = ps.verified_chunk(i, f"node {self.node}")
+        off = int(header.get("off", 0))
+        length = int(header.get("len", len(chunk) - off))
+        if off < 0 or length < 0 or off + length > len(chunk):
+            raise InmemFTError(f"bytes [{off}, {off + length}) leave parity chunk {i} of {len(chunk)} bytes")
+        return {}, [chunk[off: off + length]]
+
+    def _parity(self, step: int) -> ParitySet:
+        with self.smp.lock:
+            ps = self.sets.get(step)
+        if ps is None or ps.state not in (BUILT, PROTECTED):
+            raise SnapshotLost(f"node {self.node} holds no parity of step {step}")
+        return ps
+
+    # ---- reading a lost member's data ------------------------------------------------------------------
+    def parity_steps(self) -> list[int]:
+        with self.smp.lock:
+            return sorted(s for s, ps in self.sets.items() if ps.state in (BUILT, PROTECTED))
+
+    def lost_length(self, lost: int, step: int) -> int:
+        """Length of the node data of group member `lost` at `step`, from this node's parity record."""
+        return self._parity(step).record["lens"][self.members.index(lost)]
+
+    def decode_range(self, lost: int, step: int, start: int, length: int) -> np.ndarray:
+        """Bytes [start, start+length) of member `lost`'s node data at `step`, decoded from the same byte
+        range of k surviving chunks of each stripe it touches (RS works bytewise)."""
+        record = self._parity(step).record
+        cs, pos, m = record["chunk_size"], self.members.index(lost), self.groups.m
+        if start < 0 or length < 0 or start + length > cs * self.layout.k:
+            raise InmemFTError(f"bytes [{start}, {start + length}) leave node {lost}'s data at step {step}")
+        out = np.zeros(length, dtype=np.uint8)
+        dead = {lost}
+        for c in range(start // cs, -(-(start + length) // cs)):
+            a, b = max(start, c * cs), min(start + length, (c + 1) * cs)
+            if a >= b:
+                continue
+            stripe = self.layout.stripes[(pos - m - c) % self.layout.G]
+            sources = [(i, self.members[p], {"op": "node_read", "step": step, "off": ci * cs + a - c * cs,
+                                             "len": b - a}) for i, (p, ci) in enumerate(stripe.data) if i != c]
+            sources += [(self.layout.k + j, self.members[p], {"op": "chunk", "step": step, "stripe": stripe.index,
+                                                              "off": a - c * cs, "len": b - a})
+                        for j, p in enumerate(stripe.parity_nodes)]
+            blocks = {}
+            for block, node, header in sources:
+                if len(blocks) == self.layout.k:
+                    break
+                if node in dead:
+                    continue
+                try:
+                    blocks[block] = self.peers.call(node, header, into=np.empty(b - a, dtype=np.uint8))[1]
+                except PeerUnavailable:
+                    dead.add(node)
+            if len(blocks) < self.layout.k:
+                raise SnapshotLost(f"nodes {sorted(dead)} of EC group {self.members} are unreachable, more than "
+                                   f"its parity m={m} tolerates: node {lost}'s data of step {step} cannot be decoded; "
+                                   f"restore the job from the next tier (disk)")
+            self.layout.codec.decode(blocks, [c], {c: out[a - start: b - start]})
+        return out
 
     # ---- rebuilding ----------------------------------------------------------------------------------
     def _rebuild_if_empty(self) -> None:
@@ -297,7 +339,8 @@ class Protector:
             raise SnapshotCorrupt(f"rebuilt node data names step {got_step}, expected {step}")
         for rank, raw in ranks.items():
             self.smp.install_slot(rank, raw)
-        ps = ParitySet.create(self.smp.prefix, step, self.groups.m, cs, record_group(record))
+        ps = ParitySet.create(self.smp.prefix, step, self.groups.m, cs,
+                              {**record_group(record), "ranks": sorted(ranks)})
         for i, chunk in enumerate(mine.parity):
             ps.chunk(i)[:] = chunk
         ps.seal(PROTECTED)

@@ -16,8 +16,9 @@ The job loses the snapshot if any group does.
 """
 
 import math
-import sys
 from dataclasses import dataclass
+
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Risk:
     scheme: str
     tolerates: str
     memory_overhead: float  # extra memory per node, as a fraction of its own snapshot
-    p_loss: float  # None when the scheme cannot be built in this memory budget
+    p_loss: float
     note: str = ""
 
 
@@ -104,24 +105,21 @@ def ec_risk(inp, p):
 
 
 def replication_risk(inp, p):
+    """Full copies within the EC setting's extra memory; where that holds not even one copy, the cheapest
+    replication (one copy) is still costed, with its memory marked over the budget."""
     k = inp.group_size - inp.parity
-    r = inp.parity // k
     budget = inp.parity / k
-    if r == 0:
-        return Risk(
-            scheme="replication",
-            tolerates="-",
-            memory_overhead=budget,
-            p_loss=None,
-            note=f"cannot fit: the budget of {budget:.0%} extra memory is less than one full copy",
-        )
+    r = max(1, inp.parity // k)
     size = r + 1
     groups, rest = divmod(inp.nodes, size)
-    note = ""
+    notes = []
+    if r > budget:
+        notes.append(f"one full copy needs {r:.0%} extra memory, more than the {budget:.0%} EC uses here: "
+                     f"shown at its own cost")
     if rest:
         # Folding the leftover nodes into the last group gives them more copies than the budget, which
         # flatters replication: the comparison stays fair to the baseline.
-        note = f"the {rest} leftover node(s) join the last group of {size} (more copies than the budget)"
+        notes.append(f"the {rest} leftover node(s) join the last group of {size} (more copies than the budget)")
         p_loss = 1.0 - (1.0 - any_of(groups - 1, p**size)) * (1.0 - p ** (size + rest))
     else:
         p_loss = any_of(groups, p**size)
@@ -130,7 +128,7 @@ def replication_risk(inp, p):
         tolerates=f"any {r} per group",
         memory_overhead=float(r),
         p_loss=p_loss,
-        note=note,
+        note="; ".join(notes),
     )
 
 
@@ -157,9 +155,7 @@ def format_report(inp, risks):
     header = ("scheme", "tolerates", "extra memory", "P(snapshot lost)", "about one loss every")
     rows = []
     for risk in risks:
-        if risk.p_loss is None:
-            chance, every = "-", "-"
-        elif risk.p_loss == 0.0:
+        if risk.p_loss == 0.0:
             chance, every = "< 1e-308", "never (below float precision)"
         else:
             chance, every = f"{risk.p_loss:.3e}", _duration(inp.interval_s / risk.p_loss)
@@ -181,16 +177,16 @@ def format_report(inp, risks):
 
 
 def add_survival_arguments(parser):
-    parser.add_argument("-N", "--nodes", type=int, required=True, help="nodes in the job")
-    parser.add_argument("-G", "--group-size", type=int, required=True, help="nodes per EC group (must divide N)")
-    parser.add_argument("-m", "--parity", type=int, required=True, help="node losses each group tolerates")
-    parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node")
-    parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots")
+    parser.add_argument("-N", "--nodes", type=int, required=True, help="nodes in the job (required)")
+    parser.add_argument("-G", "--group-size", type=int, required=True, help="nodes per EC group, must divide N (required)")
+    parser.add_argument("-m", "--parity", type=int, required=True, help="node losses each group tolerates (required)")
+    parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node (required)")
+    parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots (required)")
     parser.add_argument(
         "--reprotect-s",
         type=float,
         default=0.0,
-        help="seconds to encode and spread a new snapshot's parity (default 0)",
+        help="seconds to encode and spread a new snapshot's parity (default: 0)",
     )
     return parser
 
@@ -200,7 +196,6 @@ def run_survival(args):
     try:
         risks = survival(inp)
     except ValueError as exc:
-        print(f"inmem-ft survival: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from None
     print(format_report(inp, risks))
     return 0

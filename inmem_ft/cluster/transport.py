@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
 import secrets
 import socket
 import socketserver
 import stat
-import struct
 import threading
 import time
 
@@ -28,9 +26,10 @@ import numpy as np
 import xxhash
 
 from ..errors import InmemFTError
+from ..smp import protocol
 
 log = logging.getLogger("inmem_ft.transport")
-_LEN = struct.Struct(">I")
+_LEN_SIZE = 4  # protocol.frame's length prefix; the MAC covers the JSON after it
 _MAC = 32
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 32
@@ -39,6 +38,14 @@ _SEND_PIECE = 1 << 20  # bytes per token-bucket grant: fine enough that the cap 
 
 class PeerUnavailable(InmemFTError):
     """A peer SMP cannot be reached or stopped answering."""
+
+
+class PeerRefused(PeerUnavailable):
+    """A peer answered but refused the request; `code` names the error class it raised."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class AuthError(InmemFTError):
@@ -106,38 +113,6 @@ def _mac(key: bytes, *parts) -> bytes:
                     hashlib.sha256).digest()
 
 
-def _recv_exact(sock, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(sock, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        r = sock.recv_into(view[got:], min(len(view) - got, 1 << 24))
-        if not r:
-            raise PeerUnavailable("connection closed by peer")
-        got += r
-
-
-def _send_json(sock, obj: dict) -> bytes:
-    raw = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
-    return raw
-
-
-def _recv_json(sock) -> tuple[dict, bytes]:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_HEADER:
-        raise AuthError(f"header of {n} bytes exceeds {MAX_HEADER}")
-    raw = _recv_exact(sock, n)
-    obj = json.loads(raw)
-    if not isinstance(obj, dict):
-        raise AuthError("header is not a JSON object")
-    return obj, raw
-
-
 class Channel:
     """One authenticated connection: send/recv (header, payload) messages with sequence-numbered MACs."""
 
@@ -152,8 +127,8 @@ class Channel:
         for v in views:
             digest.update(v)
         header = {**header, "n": sum(len(v) for v in views), "x": digest.hexdigest()}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        self.sock.sendall(_LEN.pack(len(raw)) + raw + _mac(self.key, self._out, self._sent, raw))
+        framed = protocol.frame(header)
+        self.sock.sendall(framed + _mac(self.key, self._out, self._sent, framed[_LEN_SIZE:]))
         self._sent += 1
         for v in views:
             for off in range(0, len(v), _SEND_PIECE):
@@ -162,29 +137,32 @@ class Channel:
                 self.sock.sendall(piece)
 
     def recv(self, into: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
-        header, raw = _recv_json(self.sock)
-        mac = _recv_exact(self.sock, _MAC)
+        header, raw = protocol.recv_raw(self.sock, MAX_HEADER)
+        mac = protocol.recv_exact(self.sock, _MAC)
         if not hmac.compare_digest(mac, _mac(self.key, self._in, self._received, raw)):
             raise AuthError("message header fails its HMAC: tampered, replayed or from another session")
         self._received += 1
         n = int(header["n"])
         if n > MAX_PAYLOAD:
             raise AuthError(f"payload of {n} bytes exceeds {MAX_PAYLOAD}")
+        if into is not None and n == 0 and header.get("ok") is False:
+            return header, np.empty(0, dtype=np.uint8)  # a refusal carries no bytes, whatever was asked for
         if into is not None and into.nbytes != n:
             raise AuthError(f"payload has {n} bytes, the receiver expected {into.nbytes}")
         payload = np.empty(n, dtype=np.uint8) if into is None else into
-        _recv_into(self.sock, memoryview(payload).cast("B"))
+        protocol.recv_into(self.sock, memoryview(payload).cast("B"))
         if xxhash.xxh3_64_hexdigest(payload) != header["x"]:
             raise AuthError(f"payload of {n} bytes fails its xxh3 checksum: corrupted in transit")
         return header, payload
 
 
 def client_handshake(sock, secret: bytes, job: str, node: int, bucket: TokenBucket) -> Channel:
-    hello, _ = _recv_json(sock)
+    hello = protocol.recv_raw(sock, MAX_HEADER)[0]
     ns, nc = bytes.fromhex(hello["nonce"]), secrets.token_bytes(32)
-    _send_json(sock, {"job": job, "node": node, "nonce": nc.hex(), "mac": _mac(secret, "client", job, node, ns, nc).hex()})
+    sock.sendall(protocol.frame({"job": job, "node": node, "nonce": nc.hex(),
+                                 "mac": _mac(secret, "client", job, node, ns, nc).hex()}))
     try:
-        reply, _ = _recv_json(sock)
+        reply = protocol.recv_raw(sock, MAX_HEADER)[0]
     except (PeerUnavailable, OSError):
         raise AuthError("the peer hung up during the handshake: it refused our credentials (is INMEM_FT_SECRET the "
                         "same on every node, and is this the same job?)") from None
@@ -195,13 +173,13 @@ def client_handshake(sock, secret: bytes, job: str, node: int, bucket: TokenBuck
 
 def server_handshake(sock, secret: bytes, job: str, bucket: TokenBucket) -> tuple[Channel, int]:
     ns = secrets.token_bytes(32)
-    _send_json(sock, {"nonce": ns.hex()})
-    hello, _ = _recv_json(sock)
+    sock.sendall(protocol.frame({"nonce": ns.hex()}))
+    hello = protocol.recv_raw(sock, MAX_HEADER)[0]
     nc, node = bytes.fromhex(hello["nonce"]), int(hello["node"])
     if hello.get("job") != job or not hmac.compare_digest(bytes.fromhex(hello.get("mac", "")),
                                                           _mac(secret, "client", job, node, ns, nc)):
         raise AuthError(f"client claiming node {node} of job {hello.get('job')!r} failed authentication")
-    _send_json(sock, {"mac": _mac(secret, "server", job, ns, nc).hex()})
+    sock.sendall(protocol.frame({"mac": _mac(secret, "server", job, ns, nc).hex()}))
     return Channel(sock, _mac(secret, "session", ns, nc), False, bucket), node
 
 
@@ -228,7 +206,7 @@ class PeerServer:
                             reply, pieces = handler(from_node, header, payload)
                             reply = {"ok": True, **reply}
                         except InmemFTError as e:
-                            reply, pieces = {"ok": False, "error": str(e)}, ()
+                            reply, pieces = {"ok": False, "error": str(e), "code": type(e).__name__}, ()
                         channel.send(reply, pieces)
                 except AuthError as e:
                     log.warning("transport node=%d event=refused peer=%s reason=%s", node, peer, e)
@@ -288,7 +266,8 @@ class PeerClient:
                     self._close_locked()
                     raise
         if not reply.pop("ok", False):
-            raise PeerUnavailable(f"peer node {self.peer} refused {header.get('op')!r}: {reply.get('error')}")
+            raise PeerRefused(f"peer node {self.peer} refused {header.get('op')!r}: {reply.get('error')}",
+                              reply.get("code"))
         return reply, payload
 
     def _close_locked(self) -> None:

@@ -8,7 +8,6 @@ and an SMP per node. Deterministic on CPU: a resumed run reproduces the uninterr
 import argparse
 import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -101,6 +100,34 @@ def state_digest(engine) -> str:
     return h.hexdigest()
 
 
+def full_state(engine) -> dict:
+    """Every global tensor of the model and its optimizer, keyed as inmem_ft's shard map keys them, gathered
+    the way DeepSpeed itself does (collective under ZeRO-3): the ground truth a shard-map reader must rebuild."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt, out = engine.optimizer, {}
+    stage = engine.zero_optimization_stage()
+    lp_groups = getattr(opt, "fp16_groups", None)  # ZeRO-0 bf16: fp32 copies stand beside these
+    for name, p in engine.module.named_parameters():
+        if stage < 3:
+            out[name] = p.detach().clone()
+        fp32 = safe_get_full_fp32_param(p)
+        if fp32 is not None:
+            out[f"optimizer.state.fp32_param.{name}"] = fp32.detach().clone()
+            for kind in ("exp_avg", "exp_avg_sq"):
+                out[f"optimizer.state.{kind}.{name}"] = safe_get_full_optimizer_state(p, kind).detach().clone()
+            continue
+        master = p  # ZeRO-0: the optimizer holds the parameter itself, or (bf16) an fp32 copy of it
+        if lp_groups is not None:
+            g, i = next((g, i) for g, group in enumerate(lp_groups) for i, q in enumerate(group) if q is p)
+            master = opt.fp32_groups[g][i]
+            out[f"optimizer.state.fp32_param.{name}"] = master.detach().clone()
+        state = getattr(opt, "optimizer", opt).state[master]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            out[f"optimizer.state.{kind}.{name}"] = state[kind].detach().clone()
+    return out
+
+
 def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_every=None) -> dict:
     conf = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -135,6 +162,8 @@ def main() -> None:
     p.add_argument("--load-dir", default=None, help="with --no-inmem: stock load_checkpoint from here first")
     p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
                                                       "PATH.rank<r>")
+    p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every global parameter and "
+                                                     "optimizer moment (torch.save) to PATH")
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
@@ -143,8 +172,7 @@ def main() -> None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
 
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("inmem_ft").setLevel(logging.INFO)
+    inmem_ft.log_to_stderr()  # snapshot and restore lines, with the [inmem_ft] prefix, in each rank's log
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
     import deepspeed
     from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
@@ -196,6 +224,10 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
     if handle is not None:
         handle.close()
+    if args.dump_full:
+        full = full_state(engine)
+        if rank == 0:
+            torch.save(full, args.dump_full)
     deepspeed.comm.destroy_process_group()
 
 

@@ -13,14 +13,14 @@ Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and pi
 """
 from __future__ import annotations
 
-import json
-import logging
 import os
 import signal
 import sys
 from functools import partial
 
 import torch
+
+import inmem_ft.telemetry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = not torch.cuda.is_available()
@@ -152,11 +152,7 @@ def prepare(argv: list[str]):
     Returns (args, cfg, handle, the example's own flags)."""
     megatron_argv, own = split_argv(argv)
     install_cpu_shim()
-    ours = logging.StreamHandler()  # Megatron configures the root logger itself: ours gets its own handler
-    ours.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [inmem_ft] %(message)s"))
-    logging.getLogger("inmem_ft").addHandler(ours)
-    logging.getLogger("inmem_ft").setLevel(logging.INFO)
-    logging.getLogger("inmem_ft").propagate = False
+    inmem_ft.telemetry.log_to_stderr()  # Megatron configures the root logger itself
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
 
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

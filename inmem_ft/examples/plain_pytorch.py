@@ -5,7 +5,6 @@ snapshots its state into the node's SMP; after a crash the restarted ranks resum
 loss trajectory is bit-identical to a run that never failed.
 """
 import argparse
-import logging
 import os
 import signal
 
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import inmem_ft
+from inmem_ft.snapshot import annotate
 
 
 def batch(step: int, rank: int, size: int = 16):
@@ -20,6 +20,14 @@ def batch(step: int, rank: int, size: int = 16):
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(size, 32, generator=g)
     return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def train_state(model, opt, sched, rank: int, dp_split: bool) -> dict:
+    """Model and optimizer with shard specs, so inspectors and resharding loaders know each tensor's place.
+    Replicas that each store their full state mark only rank 0's copy as the one to read."""
+    main = dp_split or rank == 0
+    model_sd, opt_sd = annotate.model_and_optimizer(model, opt, main=main, replica=() if dp_split else (rank,))
+    return {"model": model_sd, "optimizer": opt_sd, "scheduler": sched.state_dict()}
 
 
 def main() -> None:
@@ -33,12 +41,13 @@ def main() -> None:
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
     p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
+    p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every parameter and optimizer "
+                                                     "tensor under its shard-map key (torch.save) to PATH")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
-    logging.getLogger("inmem_ft").setLevel(logging.INFO)  # snapshot and restore lines in each rank's log
+    inmem_ft.log_to_stderr()  # snapshot and restore lines in each rank's log
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -74,14 +83,18 @@ def main() -> None:
         sched.step()
         dist.all_reduce(loss)
         inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
-        snap.maybe_save(step, lambda: {"train": shared({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                        "scheduler": sched.state_dict()}),
+        snap.maybe_save(step, lambda: {"train": shared(train_state(model, opt, sched, rank, args.dp_split)),
                                        "rng": inmem_ft.capture_rng_state(), "step": step},
                         overlap=args.overlap)
         if step == args.die_at and rank == args.die_rank:
             snap.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
     snap.close()
+    if args.dump_full and rank == 0:
+        model_sd, opt_sd = annotate.model_and_optimizer(model, opt)
+        leaves = [*model_sd.values(), *(v for s in opt_sd["state"].values() for v in s.values())]
+        torch.save({x.specs[0].key: x.tensor.clone() for x in leaves if isinstance(x, inmem_ft.Sharded)},
+                   args.dump_full)
     dist.destroy_process_group()
 
 

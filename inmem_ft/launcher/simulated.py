@@ -6,16 +6,17 @@ and its memory is gone (its segments are unlinked).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..cluster.options import ECOptions
 from ..smp import control, paths
-from ..smp.segments import names_with_prefix, unlink
 
 
 def free_port() -> int:
@@ -42,33 +43,36 @@ class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
                  env: dict | None = None, parity: int | None = None, group_size: int | None = None,
                  ec_bandwidth: int | None = None):
-        """`parity` m turns on erasure coding across the nodes (INMEM_FT_SECRET must be in `env` or the
-        environment); each SMP then also listens on a loopback TCP port of its own."""
+        """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
+        secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
+        erasure coding across the nodes."""
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
         self.memory_budget, self.log_dir = memory_budget, log_dir
         # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
-        self.env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {})}
+        self.env = {"OMP_NUM_THREADS": "1", "INMEM_FT_SECRET": secrets.token_hex(16), **os.environ, **(env or {})}
         self.smps: dict[int, subprocess.Popen] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0
+        self.placement: dict[int, int] | None = None  # rank -> node; None: node-major, as torchrun's static rdzv
         os.makedirs(log_dir, exist_ok=True)
-        self.ec = None
-        if parity is not None:
-            peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
-            self.ec = ECOptions(parity, nodes, peers, group_size, bandwidth=ec_bandwidth)
+        self.peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
+        self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
 
     def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+        return self.placement[rank] if self.placement else rank // self.ranks_per_node
 
     def socket_path(self, node: int) -> str:
         return paths.default_socket(self.job, node)
 
     # ---- SMPs ---------------------------------------------------------------------------------------------
+    def smp_log(self, node: int) -> str:
+        return os.path.join(self.log_dir, f"smp-node{node}.log")
+
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
-                                        os.path.join(self.log_dir, f"smp-node{node}.log"),
-                                        extra_args=self.ec.argv() if self.ec else (), env=self.env)
+                                        self.smp_log(node),
+                                        extra_args=self.ec.argv() if self.ec else ["--peers", self.peers], env=self.env)
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):
@@ -82,8 +86,7 @@ class SimulatedCluster:
             proc.wait()
 
     def wipe_node(self, node: int) -> None:
-        for name in names_with_prefix(paths.segment_prefix(self.job, node)):
-            unlink(name)
+        control.wipe_segments(self.job, node)
 
     def lose_node(self, node: int) -> None:
         for rank, proc in self.procs.items():
@@ -104,14 +107,18 @@ class SimulatedCluster:
                 self.wipe_node(node)
 
     # ---- trainers ---------------------------------------------------------------------------------------
-    def launch(self, argv: list[str], extra_env: dict | None = None) -> None:
-        """Start every rank of one attempt running `python argv...` with the torchrun variables set."""
+    def launch(self, argv: list[str], extra_env: dict | None = None, placement: dict[int, int] | None = None) -> None:
+        """Start every rank of one attempt running `python argv...` with the torchrun variables set.
+        `placement` (rank -> node) puts global ranks on other nodes than last time, as torchrun's c10d
+        rendezvous may after a re-queue."""
         self.attempts += 1
+        self.placement = placement
         port = free_port()
         for rank in range(self.world_size):
             node = self.node_of(rank)
+            local = sorted(r for r in range(self.world_size) if self.node_of(r) == node).index(rank)
             env = {**self.env, **(extra_env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_RANK": str(rank % self.ranks_per_node), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
+                   "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
                    "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "INMEM_FT_JOB": self.job, "INMEM_FT_NODE": str(node),
                    "INMEM_FT_SMP_SOCKET": self.socket_path(node), "INMEM_FT_RUNTIME_DIR": paths.runtime_dir(),
@@ -137,17 +144,21 @@ class SimulatedCluster:
         self.procs = {}
         return attempt
 
-    def wait(self, timeout_s: float = 600.0) -> Attempt:
-        """Wait for the attempt; the first rank to fail brings down the others."""
+    def wait(self, timeout_s: float = 600.0, poll: Callable[[float], None] | None = None) -> Attempt:
+        """Wait for the attempt; the first rank to fail brings down the others. `poll(seconds so far)` runs
+        while it waits (progress reports)."""
         t0 = time.monotonic()
         while self.running() and not self.failed_ranks() and time.monotonic() - t0 < timeout_s:
+            if poll:
+                poll(time.monotonic() - t0)
             time.sleep(0.05)
         failed = self.failed_ranks()
         return self.end_attempt(t0, failed[0] if failed else None)
 
-    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0) -> Attempt:
-        self.launch(argv, extra_env)
-        return self.wait(timeout_s)
+    def run(self, argv: list[str], extra_env: dict | None = None, timeout_s: float = 600.0,
+            placement: dict[int, int] | None = None, poll: Callable[[float], None] | None = None) -> Attempt:
+        self.launch(argv, extra_env, placement)
+        return self.wait(timeout_s, poll)
 
     def kill_ranks(self) -> None:
         for proc in self.procs.values():

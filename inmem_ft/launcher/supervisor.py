@@ -11,8 +11,10 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .. import telemetry
+from ..errors import ConfigError
 from .simulated import SimulatedCluster
 
 
@@ -24,13 +26,22 @@ class Failure:
     fired: bool = False
 
     _SPEC = re.compile(r"^(\d+):(\d+)$")
+    OPTIONS = {"rank": "--kill-rank", "node": "--kill-node", "hang": "--hang-rank"}
 
     @classmethod
     def parse(cls, kind: str, spec: str) -> "Failure":
         m = cls._SPEC.match(spec)
         if not m:
-            raise ValueError(f"--{kind}-{'node' if kind == 'node' else 'rank'} {spec!r}: expected STEP:INDEX, e.g. 12:3")
+            target = "NODE" if kind == "node" else "RANK"
+            raise ConfigError(f"{cls.OPTIONS[kind]} {spec!r}: expected STEP:{target}, e.g. 12:1")
         return cls(kind, int(m.group(1)), int(m.group(2)))
+
+    def check(self, nodes: int, world_size: int) -> None:
+        """Refuse a failure that cannot happen in this job, before anything starts."""
+        count, what = (nodes, "node") if self.kind == "node" else (world_size, "rank")
+        if self.target >= count:
+            raise ConfigError(f"{self.OPTIONS[self.kind]} {self.step}:{self.target}: the job has {count} {what}s "
+                             f"(0..{count - 1}), so this failure could never happen")
 
     def describe(self) -> str:
         return {"rank": f"kill -9 rank {self.target}", "node": f"lose node {self.target} (processes, SMP, memory)",
@@ -51,7 +62,14 @@ class Timeline:
     losses: dict[int, float] = field(default_factory=dict)
     reference: dict[int, float] | None = None
     failures: list[tuple[int, str]] = field(default_factory=list)  # (step, description) for the plot
+    missed: list[str] = field(default_factory=list)  # requested failures the run never reached
+    recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step caught up again, seconds lost)
     ok: bool = False
+
+    @property
+    def passed(self) -> bool:
+        """Finished, every requested failure happened, and (when compared) on the reference's losses."""
+        return self.ok and not self.missed and self.matches_reference is not False
 
     @property
     def matches_reference(self) -> bool | None:
@@ -59,30 +77,42 @@ class Timeline:
             return None
         return bool(self.losses) and self.losses == self.reference
 
+    HEADER = f"{'t (s)':>7}  {'event':<10}  details"
+
+    @staticmethod
+    def line(e: Event) -> str:
+        return f"{e.t:7.1f}  {e.kind:<10}  {e.text}"
+
     def format(self) -> str:
-        lines = [f"{'t (s)':>7}  {'event':<10}  details"]
-        lines += [f"{e.t:7.1f}  {e.kind:<10}  {e.text}" for e in self.events]
-        return "\n".join(lines)
+        return "\n".join([self.HEADER] + [self.line(e) for e in self.events])
 
 
 class Supervisor:
     def __init__(self, cluster: SimulatedCluster, argv: list[str], failures: list[Failure], *,
-                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str):
-        self.cluster, self.argv, self.failures = cluster, argv, failures
+                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str,
+                 live: Callable[[str], None] | None = None):
+        """`live` gets each timeline line as it happens (the CLI prints them)."""
+        self.cluster, self.argv, self.failures, self.live = cluster, argv, failures, live
         self.heartbeat_timeout_s, self.max_restarts, self.work_dir = heartbeat_timeout_s, max_restarts, work_dir
         self.loss_log = os.path.join(work_dir, "loss.jsonl")
         self.timeline = Timeline()
         self._t0 = time.monotonic()
-        self._seen_snapshots: set[int] = set()
+        # (attempt, step) -> {rank: stall seconds} as each rank's heartbeat reported the snapshot
+        self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # None: reported
         self._lost_nodes: list[int] = []
         self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
+        self._smp_logs: dict[int, int] = {}  # replaced node -> offset of its new SMP's lines in its log
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
-        self.timeline.events.append(Event(time.monotonic() - self._t0, kind, text, step))
+        e = Event(time.monotonic() - self._t0, kind, text, step)
+        self.timeline.events.append(e)
+        if self.live:
+            self.live(Timeline.line(e))
 
     def run(self) -> Timeline:
         for attempt in range(self.max_restarts + 1):
             for node in self._lost_nodes:
+                self._smp_logs[node] = os.path.getsize(self.cluster.smp_log(node))
                 self.cluster.start_smp(node)
                 self.event("replace", f"node {node}: replacement SMP started empty under the lost node's id")
             self._lost_nodes = []
@@ -92,6 +122,11 @@ class Supervisor:
         else:
             self.event("give up", f"still failing after {self.max_restarts} restarts")
         self.timeline.losses = telemetry.read_losses(self.loss_log)
+        last = max(self.timeline.losses, default=0)
+        for f in self.failures:
+            if not f.fired:
+                self.timeline.missed.append(f.describe())
+                self.event("missed", f"{f.describe()} never happened: the job stopped at step {last}")
         return self.timeline
 
     def _attempt(self, number: int) -> bool:
@@ -101,18 +136,18 @@ class Supervisor:
         self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes")
         t0, restored_seen = time.monotonic(), False
         while True:
-            beats = telemetry.read_heartbeats(hb_dir)
+            beats = self._beats(hb_dir)
             restored_seen = self._note_restore(beats, restored_seen)
             self._note_snapshots(beats)
             self._note_recovery(beats)
+            self._note_rebuilds()
             self._inject(beats)
             hung = self._hung(beats)
             failed = self.cluster.failed_ranks()
             if hung or failed:
                 step = max((b.get("step", 0) for b in beats.values()), default=0)
                 attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
-                why = (f"rank {failed[0]} exited with {attempt.returncodes[failed[0]]}" if failed else
-                       f"no heartbeat for {self.heartbeat_timeout_s:g} s from ranks {hung} (hung)")
+                why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
                 self.event("detected", f"{why}; survivors stopped, all ranks restart", step)
                 self._pending_loss.append((time.monotonic(), step))
                 return False
@@ -121,6 +156,13 @@ class Supervisor:
                 self.event("finished", f"attempt {number}: every rank exited cleanly")
                 return True
             time.sleep(0.05)
+
+    def _beats(self, hb_dir: str) -> dict[int, dict]:
+        """Heartbeats of the processes this attempt started, only: a file another run or attempt left
+        behind says nothing of now."""
+        procs = self.cluster.procs
+        return {r: b for r, b in telemetry.read_heartbeats(hb_dir).items()
+                if r in procs and b.get("pid") == procs[r].pid}
 
     def _note_restore(self, beats: dict, seen: bool) -> bool:
         if seen or len(beats) < self.cluster.world_size or any("restored" not in b for b in beats.values()):
@@ -136,23 +178,46 @@ class Supervisor:
         return True
 
     def _note_snapshots(self, beats: dict) -> None:
-        steps = [b.get("snapshot_step") for b in beats.values()]
-        if len(steps) == self.cluster.world_size and None not in steps and len(set(steps)) == 1:
-            step = steps[0]
-            if step not in self._seen_snapshots:
-                self._seen_snapshots.add(step)
-                stall = max(b["stall_s"] for b in beats.values())
-                self.event("snapshot", f"step {step}: training blocked {stall * 1e3:.1f} ms (slowest rank)", step)
+        """A snapshot once every rank has reported it (in any poll: ranks rarely sit on the same step at
+        once). A rank that took two snapshots between polls reports only the second; that step still shows."""
+        for rank, beat in beats.items():
+            if beat.get("snapshot_step") is not None:
+                key = (self.cluster.attempts, beat["snapshot_step"])
+                stalls = self._snapshots.setdefault(key, {})
+                if stalls is not None:
+                    stalls[rank] = beat["stall_s"]
+                    if len(stalls) == self.cluster.world_size:
+                        self._snapshots[key] = None  # reported
+                        self.event("snapshot", f"step {key[1]}: training blocked {max(stalls.values()) * 1e3:.1f} "
+                                               f"ms (slowest rank)", key[1])
+
+    _REBUILD = re.compile(r"event=(rebuild_start|rebuilt|rebuild_failed) (.*)$")
+
+    def _note_rebuilds(self) -> None:
+        """A replacement SMP's rebuild, as its log reports it."""
+        for node, offset in self._smp_logs.items():
+            with open(self.cluster.smp_log(node), "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            done = data.rfind(b"\n") + 1  # whole lines only
+            self._smp_logs[node] = offset + done
+            for line in data[:done].decode(errors="replace").splitlines():
+                m = self._REBUILD.search(line)
+                if m:
+                    what = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt",
+                            "rebuild_failed": "rebuild FAILED"}[m.group(1)]
+                    self.event("rebuild", f"node {node} {what} from its EC group: {m.group(2)}")
 
     def _note_recovery(self, beats: dict) -> None:
-        if not self._pending_loss or not beats:
+        if not self._pending_loss or len(beats) < self.cluster.world_size:
             return
         now_step = min(b.get("step", 0) for b in beats.values())
         t_fail, step = self._pending_loss[0]
         if now_step >= step:
             self._pending_loss.pop(0)
-            self.event("recovered", f"back at step {step}: {time.monotonic() - t_fail:.1f} s lost to the failure",
-                       step)
+            lost = time.monotonic() - t_fail
+            self.timeline.recoveries.append((step, lost))
+            self.event("recovered", f"back at step {step}: {lost:.1f} s lost to the failure", step)
 
     def _inject(self, beats: dict) -> None:
         for f in self.failures:
@@ -163,8 +228,11 @@ class Supervisor:
             if not all(beats.get(r, {}).get("step", -1) >= f.step for r in watched):
                 continue
             f.fired = True
-            self.timeline.failures.append((f.step, f.describe()))
-            self.event("failure", f.describe(), f.step)
+            # The supervisor polls: a fast trainer may be past the requested step when the signal lands.
+            reached = max(beats[r]["step"] for r in watched)
+            text = f.describe() + (f" (reached step {reached} when it landed)" if reached != f.step else "")
+            self.timeline.failures.append((reached, text))
+            self.event("failure", text, reached)
             if f.kind == "rank":
                 self.cluster.procs[f.target].send_signal(signal.SIGKILL)
             elif f.kind == "hang":
@@ -174,9 +242,24 @@ class Supervisor:
                 self._lost_nodes.append(f.target)
 
     def _hung(self, beats: dict) -> list[int]:
-        """Ranks silent past the timeout. A hung rank soon silences its peers too (they wait on it in a
-        collective), so all of them are reported; any one of them is reason to restart."""
+        """Live ranks of this attempt silent past the timeout. A hung rank soon silences its peers too (they
+        wait on it in a collective), so each silent one is named; any one of them is reason to restart."""
         now = time.time()
         return sorted(rank for rank, beat in beats.items()
                       if not beat.get("done") and now - beat["time"] > self.heartbeat_timeout_s
                       and self.cluster.procs[rank].poll() is None)
+
+    def _describe_exit(self, attempt, rank: int) -> str:
+        code = attempt.returncodes[rank]
+        if code < 0:
+            return f"rank {rank} exited with {code}"
+        # An error exit: its last log line (the exception, for a Python trainer) says why.
+        lines = [line.strip() for line in self.cluster.rank_log(attempt.number, rank).splitlines() if line.strip()]
+        return f"rank {rank} exited with {code}" + (f" ({lines[-1][:300]})" if lines else "")
+
+    def _describe_hang(self, beats: dict, hung: list[int]) -> str:
+        now = time.time()
+        last = ", ".join(f"rank {r} at step {beats[r].get('step', 0)} {now - beats[r]['time']:.0f} s ago"
+                         for r in sorted(hung, key=lambda r: beats[r]["time"]))
+        return (f"no heartbeat for over {self.heartbeat_timeout_s:g} s from rank(s) {hung} (hung; last beats: "
+                f"{last})")

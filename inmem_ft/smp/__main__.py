@@ -1,32 +1,44 @@
 """python -m inmem_ft.smp: run one node's SMP in the foreground (`inmem-ft smp start` daemonizes this)."""
-import argparse
 import logging
 import os
 import sys
 
 from .. import units
-from ..cluster.options import add_ec_arguments, make_protector, options_from_args
+from ..cli import Parser
+from ..cluster.options import add_ec_arguments, make_peers, make_protector, options_from_args
+from ..cluster.slotreads import SlotReads
+from ..errors import InmemFTError
+from ..telemetry import log_to_stderr
 from . import paths
 from .daemon import SMP, check_budget_fits
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m inmem_ft.smp")
-    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"))
-    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")))
-    p.add_argument("--socket", default=None)
-    p.add_argument("--memory-budget", required=True, type=units.parse_size)
+    p = Parser(prog="python -m inmem_ft.smp")
+    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
+                   help="job id (default: $INMEM_FT_JOB, else 'default')")
+    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
+                   help="this node's index (default: $INMEM_FT_NODE, else 0)")
+    p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
+    p.add_argument("--memory-budget", required=True, type=units.argparse_size,
+                   help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
     add_ec_arguments(p)
     args = p.parse_args(argv)
-    ec = options_from_args(args)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [inmem_ft] %(message)s")
-    check_budget_fits(args.memory_budget)
-    smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
-    smp.adopt_existing()
-    if ec is not None:
-        smp.protector = make_protector(smp, ec)
-        smp.protector.adopt()
+    log_to_stderr()
+    try:
+        ec = options_from_args(args)
+        check_budget_fits(args.memory_budget)
+        smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
+        smp.adopt_existing()
+        smp.peers = make_peers(args, args.node, args.job)
+        if ec is not None:
+            smp.protector = make_protector(smp, ec, smp.peers)
+            smp.protector.adopt()
+        smp.reads = SlotReads(smp, smp.peers, smp.protector)
+    except (InmemFTError, OSError, ValueError) as e:
+        # One line in the log, which `inmem-ft smp start` shows: setup errors are the user's to fix.
+        logging.getLogger("inmem_ft.smp").error("smp node=%d event=failed reason=%s", args.node, e)
+        return 1
     smp.serve()
     return 0
 

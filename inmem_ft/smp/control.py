@@ -9,6 +9,7 @@ import time
 from ..errors import SMPUnavailable
 from . import paths
 from .client import SMPClient
+from .segments import names_with_prefix, path_of, unlink
 
 
 def ping(socket_path: str) -> dict | None:
@@ -42,16 +43,18 @@ def start(job: str, node: int, memory_budget: int, socket_path: str | None = Non
         if ping(socket_path):
             return proc
         if proc.poll() is not None:
-            raise SMPUnavailable(f"the SMP exited with code {proc.returncode} before it was ready; "
-                                 f"its log {log_path} ends with:\n{_tail(log_path)}")
+            raise SMPUnavailable(f"the SMP exited with code {proc.returncode} before it was ready: "
+                                 f"{_last_line(log_path)} (log: {log_path})")
         time.sleep(0.05)
     proc.kill()
     raise SMPUnavailable(f"the SMP did not answer on {socket_path} within {wait_s:.0f} s; see {log_path}")
 
 
-def _tail(path: str, lines: int = 8) -> str:
+def _last_line(path: str) -> str:
+    # The daemon's entry point turns every setup error into one last line (a traceback is a bug there).
     with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else "(its log is empty)"
 
 
 def call(socket_path: str, op: str, **fields) -> dict:
@@ -67,3 +70,17 @@ def stop(socket_path: str, wipe: bool = False, wait_s: float = 10.0) -> None:
     deadline = time.monotonic() + wait_s
     while os.path.exists(socket_path) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def wipe_segments(job: str, node: int) -> tuple[int, int]:
+    """Unlink every segment of `job` on `node` (slots and parity) with no SMP involved: for a node that is
+    lost, or whose SMP is gone. Returns (segments, bytes) freed."""
+    names = names_with_prefix(paths.segment_prefix(job, node))
+    size = 0
+    for name in names:
+        try:
+            size += os.path.getsize(path_of(name))
+        except FileNotFoundError:
+            continue
+        unlink(name)
+    return len(names), size

@@ -17,9 +17,10 @@ import struct
 import threading
 import time
 
-from ..errors import SnapshotCorrupt, UnknownFormat
+from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
+from ..units import human
 from . import paths, protocol
 from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
@@ -30,6 +31,10 @@ SLOTS_PER_RANK = 2
 PROTECT_WAIT_S = 60.0
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
+
+
+# Error classes the client raises again from a reply's `code` (smp/client.py maps them back).
+_CODES = {SnapshotCorrupt: "corrupt", SnapshotLost: "lost", UnknownFormat: "format"}
 
 
 class RequestError(Exception):
@@ -61,12 +66,16 @@ class SMP:
         self.prefix = paths.segment_prefix(job, node)
         self.slots: dict[int, list[Slot | None]] = {}
         self.writers: dict[int, tuple[int, int]] = {}  # rank -> (slot index, connection id)
+        self.moved: dict[int, int] = {}  # rank -> the complete step it committed on another node
         self.complete_step: int | None = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.started = time.time()
         self.protector = None  # a cluster.protection.Protector when erasure coding is on
+        self.peers = None  # cluster.peers.Peers: links to the other SMPs (local-only without --peers)
+        self.reads = None  # cluster.slotreads.SlotReads: serves catalog/read/pull, which may wait on peers
         self.stopping = False
+        self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -77,11 +86,12 @@ class SMP:
         old = self.slots[rank][index]
         in_use = self.used_bytes() - (old.segment.size if old else 0)
         if in_use + size > self.budget:
+            ranks = max(self.local_ranks, len(self.slots))
             raise RequestError("budget", (
-                f"node {self.node} memory budget exceeded: rank {rank} needs {SLOTS_PER_RANK} slots of "
-                f"{size / 2**20:.1f} MiB but {in_use / 2**20:.1f} of {self.budget / 2**20:.1f} MiB are in use; "
-                f"start the SMP with a larger --memory-budget (at least "
-                f"{SLOTS_PER_RANK * size * len(self.slots) / 2**20:.0f} MiB for {len(self.slots)} local ranks)"))
+                f"node {self.node} memory budget too small: rank {rank} needs {SLOTS_PER_RANK} slots of "
+                f"{human(size)} but {human(in_use)} of the {human(self.budget)} budget are in use; start the SMP "
+                f"with --memory-budget of at least {human(SLOTS_PER_RANK * size * ranks)} "
+                f"({SLOTS_PER_RANK} slots x {ranks} local rank(s), plus parity when erasure coding)"))
         generation = old.generation + 1 if old else 0
         if old is not None:
             old.segment.close()
@@ -99,7 +109,31 @@ class SMP:
         return slot
 
     # ---- re-adoption ----------------------------------------------------------------------------------
+    # ---- the job's newest complete step, kept beside the slots so a restarted SMP still knows it --------
+    def _record_complete(self, step: int | None) -> None:
+        """A restore that finds this step missing somewhere must fail rather than start the job over; an SMP
+        restart must not make it forget (a crash during the very first snapshot, which never completed, is
+        the case where starting over is right)."""
+        self.complete_step = step
+        path = path_of(paths.complete_record_name(self.job, self.node))
+        if step is None:
+            unlink(paths.complete_record_name(self.job, self.node))
+            return
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(step))
+        os.replace(tmp, path)
+
+    def _read_complete(self) -> None:
+        try:
+            with open(path_of(paths.complete_record_name(self.job, self.node))) as f:
+                self.complete_step = int(f.read())
+        except (FileNotFoundError, ValueError):
+            self.complete_step = None
+
     def adopt_existing(self) -> None:
+        self._read_complete()
         for name in names_with_prefix(self.prefix):
             parsed = paths.parse_segment_name(name)
             if parsed is None:
@@ -127,13 +161,16 @@ class SMP:
             log.info("smp node=%d event=adopt rank=%d slot=%d step=%d", self.node, rank, index, header.step)
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def handle(self, msg: dict, conn_id: int) -> dict:
+    def handle(self, msg: dict, conn_id: int) -> tuple[dict, list]:
+        """(reply, raw pieces sent after it). Cross-node operations run outside the lock: they wait on peers."""
         op = msg.get("op")
+        if self.reads is not None and op in self.reads.OPS:
+            return self.reads.handle(op, msg)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise RequestError("bad_request", f"unknown operation {op!r}")
         with self.lock:
-            return fn(msg, conn_id)
+            return fn(msg, conn_id), []
 
     def op_ping(self, msg, conn_id):
         return {"job": self.job, "node": self.node, "pid": os.getpid()}
@@ -142,7 +179,9 @@ class SMP:
         rank, step, keep = int(msg["rank"]), int(msg["step"]), msg.get("keep_step")
         man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
         size = seg.slot_size(man_len, data_len)
+        self.local_ranks = max(self.local_ranks, int(msg.get("local_ranks") or 0))
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+        self.moved.pop(rank, None)  # it runs here (again)
         pins = self._pins(slots, keep)
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
@@ -233,28 +272,103 @@ class SMP:
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
                 out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
-        return {"slots": sorted(out, key=lambda s: -s["step"])}
+        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step,
+                "holds_any": bool(self.committed())}
 
     def op_complete(self, msg, conn_id):
-        self.complete_step = int(msg["step"])
-        if self.protector is not None:
+        self._record_complete(int(msg["step"]))
+        self._mark_moved(self.complete_step)
+        if self.protector is None:
+            self.release_moved(self.complete_step)
+        else:
             self.protector.notify_complete(self.complete_step)
         return {}
 
+    def _mark_moved(self, step: int) -> None:
+        """Every rank committed `step`: a rank with slots here but no committed `step` here now runs on another
+        node. It leaves this node's data from `step` on (protection encodes the ranks that run here)."""
+        for rank, slots in self.slots.items():
+            if rank not in self.writers and rank not in self.moved and \
+                    step not in {s.committed_step() for s in slots if s is not None}:
+                self.moved[rank] = step
+
+    def release_moved(self, step: int) -> None:
+        """Free the slots of ranks that moved away by `step`: once `step` is complete (with erasure coding,
+        protected), their older steps here are no longer what a restore or a rebuild uses."""
+        with self.lock:
+            for rank in [r for r, since in self.moved.items() if since <= step]:
+                del self.moved[rank]
+                held = sorted({s.committed_step() for s in self.slots.get(rank, []) if s is not None} - {None})
+                for slot in self.slots.pop(rank, []):
+                    if slot is not None:
+                        slot.segment.close()
+                        slot.segment.unlink()
+                log.info("smp node=%d event=released rank=%d steps=%s reason=rank committed step %d on another "
+                         "node", self.node, rank, held, step)
+
+    # ---- the slot store: what protection and cross-node reads use ------------------------------------------
+    def committed_views(self, step: int, ranks=None) -> dict[int, memoryview]:
+        """rank -> the used bytes of its committed slot of `step`, for every rank that runs here (or those of
+        `ranks`); raises if one lacks it."""
+        with self.lock:
+            out = {}
+            for rank, slots in self.slots.items():
+                if (ranks is not None and rank not in ranks) or (ranks is None and rank in self.moved):
+                    continue
+                for slot in slots:
+                    h = slot.header if slot is not None else None
+                    if h is not None and h.state == seg.COMMITTED and h.step == step:
+                        out[rank] = slot.segment.buf[: h.data_off + h.data_len]
+                if rank not in out:
+                    raise SnapshotCorrupt(f"node {self.node} holds no committed slot of step {step} for rank {rank}")
+            return out
+
+    def complete_steps_held(self) -> list[int]:
+        """Steps every rank that runs here holds committed."""
+        with self.lock:
+            per_rank = [{s.committed_step() for s in slots if s is not None} - {None}
+                        for rank, slots in self.slots.items() if rank not in self.moved]
+        return sorted(set.intersection(*per_rank)) if per_rank else []
+
+    def committed(self, rank: int | None = None, step: int | None = None) -> list[tuple[int, Slot]]:
+        """(rank, slot) of the committed slots, optionally of one rank and/or step."""
+        with self.lock:
+            return [(r, slot) for r, slots in sorted(self.slots.items()) if rank is None or r == rank
+                    for slot in slots if slot is not None and slot.committed_step() is not None
+                    and (step is None or slot.committed_step() == step)]
+
+    def install(self, rank: int, size: int, fill, source: str, index: int | None = None) -> Slot:
+        """A fresh slot of `rank` holding a copy of a committed slot from elsewhere: `fill(buf)` writes its bytes
+        (outside the lock: it may wait on peers), then it is verified like a restore would. `index`: which slot,
+        default one holding no step this rank keeps (its newest)."""
+        with self.lock:
+            slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
+            self.moved.pop(rank, None)  # it runs here (again)
+            if index is None:
+                held = [s.committed_step() for s in slots if s is not None and s.committed_step() is not None]
+                index = self._choose(slots, {max(held)} if held else set())
+            try:
+                slot = self._allocate(rank, index, size)
+            except RequestError as e:
+                raise SnapshotCorrupt(f"node {self.node} cannot hold a copy of rank {rank}'s slot: {e}") from None
+        try:
+            fill(slot.segment.buf)
+            seg.verify(slot.segment.buf, f"node {self.node} rank {rank} slot {slot.segment.name} ({source})")
+        except BaseException:
+            slot.blank()
+            raise
+        slot.source = source
+        return slot
+
     def install_slot(self, rank: int, raw) -> None:
-        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`, verified like a restore would."""
+        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`."""
         header = seg.Header.read(raw)
         if header is None:
             raise SnapshotCorrupt(f"rebuilt slot of rank {rank} has no valid header")
-        with self.lock:
-            self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
-            try:
-                slot = self._allocate(rank, 0, seg.slot_size(header.manifest_len, header.data_len))
-            except RequestError as e:
-                raise SnapshotCorrupt(f"cannot hold the rebuilt slot of rank {rank}: {e}") from None
-            slot.segment.buf[: len(raw)] = raw
-            seg.verify(slot.segment.buf, f"rebuilt rank {rank} slot {slot.segment.name}")
-            slot.source = "peer reconstruction"
+
+        def fill(buf):
+            buf[: len(raw)] = raw
+        self.install(rank, seg.slot_size(header.manifest_len, header.data_len), fill, "peer reconstruction", 0)
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
@@ -265,7 +379,7 @@ class SMP:
                 slot.blank()
                 log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
                          rank, committed, "scratch" if step is None else f"step {step}")
-        self.complete_step = step
+        self._record_complete(None if step is None else int(step))
         if self.protector is not None:
             self.protector.restored(step)
         return {}
@@ -300,6 +414,7 @@ class SMP:
                     slot.segment.close()
                     slot.segment.unlink()
         self.slots.clear()
+        self._record_complete(None)
         if self.protector is not None:
             self.protector.wipe()
         log.info("smp node=%d event=wipe", self.node)
@@ -327,13 +442,17 @@ class SMP:
                 try:
                     while True:
                         msg = protocol.recv(self.request)
+                        pieces = []
                         try:
-                            reply = {"ok": True, **smp.handle(msg, conn_id)}
+                            reply, pieces = smp.handle(msg, conn_id)
+                            reply = {"ok": True, **reply}
                         except RequestError as e:
                             reply = {"ok": False, "code": e.code, "error": str(e)}
+                        except InmemFTError as e:
+                            reply = {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}
                         except (KeyError, TypeError, ValueError) as e:
                             reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
-                        protocol.send(self.request, reply)
+                        protocol.send(self.request, reply, pieces)
                         if smp.stopping:
                             threading.Thread(target=smp.server.shutdown, daemon=True).start()
                             return
@@ -349,6 +468,8 @@ class SMP:
             os.umask(old_umask)
         self.server.daemon_threads = True
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.server.shutdown).start())
+        if self.peers is not None:
+            self.peers.start()
         if self.protector is not None:
             self.protector.start()
         log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
@@ -357,8 +478,8 @@ class SMP:
             self.server.serve_forever(poll_interval=0.2)
         finally:
             self.server.server_close()
-            if self.protector is not None:
-                self.protector.close()
+            if self.peers is not None:
+                self.peers.close()
             if os.path.exists(self.socket_path):
                 os.unlink(self.socket_path)
             log.info("smp node=%d event=stopped", self.node)
@@ -367,6 +488,6 @@ class SMP:
 def check_budget_fits(budget_bytes: int) -> None:
     free = free_bytes()
     if budget_bytes > free:
-        raise SystemExit(
-            f"inmem-ft smp: memory budget {budget_bytes / 2**30:.2f} GiB exceeds the {free / 2**30:.2f} GiB free "
-            f"in /dev/shm; lower --memory-budget or enlarge /dev/shm (mount -o remount,size=...)")
+        raise ConfigError(
+            f"memory budget {human(budget_bytes)} exceeds the {human(free)} free in /dev/shm; lower "
+            f"--memory-budget or enlarge /dev/shm (mount -o remount,size=...)")

@@ -47,6 +47,11 @@ def segment_prefix(job: str, node: int) -> str:
     return f"inmemft.{check_job(job)}.n{node}."
 
 
+def complete_record_name(job: str, node: int) -> str:
+    """The file in /dev/shm beside the slots that remembers the newest step the job completed."""
+    return f"{segment_prefix(job, node)}complete"
+
+
 def segment_name(job: str, node: int, rank: int, slot: int, generation: int) -> str:
     return f"{segment_prefix(job, node)}r{rank}.s{slot}.g{generation}"
 

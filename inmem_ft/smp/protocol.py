@@ -1,5 +1,9 @@
-"""Framing for the SMP control socket: a 4-byte length, then one JSON object. Never pickle: whatever
-arrives on a socket is parsed as data only."""
+"""Length-prefixed JSON framing, shared by the SMP control socket and the SMP-to-SMP transport: a 4-byte
+length, then one JSON object. Never pickle: whatever arrives on a socket is parsed as data only.
+
+A control reply may carry raw bytes after it (a slot read, manifests): the object then says how many in
+`n`, and the bytes follow unframed, so they can land straight in the caller's buffer.
+"""
 from __future__ import annotations
 
 import json
@@ -8,33 +12,62 @@ import struct
 
 _LEN = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
+MAX_PAYLOAD = 256 << 20  # raw bytes after one control reply; bulk reads come in pieces far below this
+READ_MAX = 8 << 20  # bytes of slot data per read request (control or peer): what one request may hold
 
 
 class ProtocolError(ConnectionError):
     pass
 
 
-def send(sock: socket.socket, message: dict) -> None:
+def frame(message: dict) -> bytes:
     raw = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
+    return _LEN.pack(len(raw)) + raw
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(n - got)
-        if not chunk:
+def send(sock: socket.socket, message: dict, pieces=()) -> None:
+    """Send `message`; with `pieces` (buffers), their total length goes in `n` and their bytes follow."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    if views:
+        message = {**message, "n": sum(len(v) for v in views)}
+    sock.sendall(frame(message))
+    for v in views:
+        sock.sendall(v)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        r = sock.recv_into(view[got:], min(len(view) - got, 1 << 24))
+        if not r:
             raise ProtocolError("connection closed by peer")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += r
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_raw(sock: socket.socket, limit: int = MAX_MESSAGE) -> tuple[dict, bytes]:
+    """One framed object and its raw JSON bytes (the transport authenticates those)."""
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > limit:
+        raise ProtocolError(f"message of {n} bytes exceeds the {limit}-byte limit")
+    raw = recv_exact(sock, n)
+    message = json.loads(raw)
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    return message, raw
 
 
 def recv(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_MESSAGE:
-        raise ProtocolError(f"message of {n} bytes exceeds the {MAX_MESSAGE}-byte limit")
-    message = json.loads(_recv_exact(sock, n))
-    if not isinstance(message, dict):
-        raise ProtocolError("message is not a JSON object")
-    return message
+    return recv_raw(sock)[0]
+
+
+def payload_length(message: dict, limit: int = MAX_PAYLOAD) -> int:
+    n = int(message.get("n", 0))
+    if not 0 <= n <= limit:
+        raise ProtocolError(f"payload of {n} bytes exceeds the {limit}-byte limit")
+    return n

@@ -82,17 +82,18 @@ def _tensor_from(src: torch.Tensor, entry: dict, copy: bool):
     return raw.view(dtype_from_name(entry["dt"])).view(entry["sh"])
 
 
-def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None = None):
+def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None = None, *, owned: bool = False):
     """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the gathered replicated region.
 
-    Leaves in `data` are copied out, so the result stays valid after the slot is reused; leaves of the
-    replicated region become views of it: that buffer is the caller's own (gathered), handed over here.
+    Leaves of the replicated region become views of it: that buffer is the caller's own, handed over here.
+    Leaves in `data` are copied out, so the result stays valid after the slot is reused, unless `owned`
+    says `data` is a private copy too; then they are views of it.
     """
     values = []
     for entry in manifest["leaves"]:
         n = entry["n"]
         if "o" in entry:
-            values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=True))
+            values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=not owned))
         else:
             values.append(_tensor_from(replicated[entry["ro"]: entry["ro"] + n], entry, copy=False))
     return unflatten(manifest["tree"], values)

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
@@ -15,8 +15,8 @@ from ...config import InmemFTBlock
 from ...errors import ConfigError
 from ...persist.tier import DiskTier
 from ...smp import paths
-from ...snapshot import Replicated
-from . import stock, types
+from ...snapshot import Replicated, Topology, annotate
+from . import shards, stock, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
@@ -29,6 +29,8 @@ class Restored:
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
     tag: str
+    phases: dict = field(default_factory=dict)
+    """Seconds per phase of the restore (memory: list, agree, copy_verify, replicated, unpack; engine)."""
 
 
 class Handle:
@@ -36,7 +38,8 @@ class Handle:
         types.register()
         self.engine, self.block, self.extra_state = engine, block, extra_state
         config = block.snapshot_config()
-        self.zero3 = bool(engine.zero_optimization_partition_weights())
+        self.zero_stage = int(engine.zero_optimization_stage())
+        self.zero3 = self.zero_stage == 3
         dp_group = engine.seq_data_parallel_group
         tier = DiskTier(block.persist_dir, block.persist_every, config.interval, self._write_disk,
                         stock.tag_of) if block.persist else None
@@ -53,6 +56,7 @@ class Handle:
             # only; every replica hands it over here and stores 1/DP of it (Replicated), so restore gathers
             # it back on every rank without reading a peer's memory.
             engine.save_non_zero_checkpoint = True
+        self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
 
@@ -64,6 +68,13 @@ class Handle:
         if budget is not None and budget != self.block.memory_budget:
             log.warning("inmem_ft: memory_budget in the config is %d bytes, the node's SMP runs with %d; the SMP's "
                         "value applies (start it from the same config block)", self.block.memory_budget, budget)
+
+    def _zero0_param_names(self) -> dict[int, str]:
+        """ZeRO-0 optimizer state is keyed by parameter index: index -> name. With bf16 the inner optimizer
+        holds fp32 copies; `fp16_groups` lists the module parameters they stand for, in the same order."""
+        opt = self.engine.optimizer
+        groups = getattr(opt, "fp16_groups", None) or [g["params"] for g in opt.param_groups]
+        return annotate.param_names(self.engine.module, groups)
 
     def _wrap(self, engine) -> None:
         step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
@@ -104,11 +115,34 @@ class Handle:
     def _commit(self, info, files: dict) -> None:
         """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
         step = int(self.engine.global_steps)
+        files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                param_names=self._param_names)
         state = {"tag": str(info.tag), "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
         # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
-        self.snap.save(step, state, overlap=True)
+        self.snap.save(step, state, overlap=True, topology=self._topology(files))
+
+    def _topology(self, files: dict) -> Topology:
+        import deepspeed
+
+        engine = self.engine
+        groups = []
+        for fname, sd in files.items():
+            osd = sd.get("optimizer_state_dict") if fname.endswith("optim_states.pt") else sd.get("optimizer")
+            inner = (osd or {}).get("base_optimizer_state") or (osd or {}).get("optimizer_state_dict") or osd
+            if inner and "param_groups" in inner:
+                groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in inner["param_groups"]]
+                break
+        if self.zero_stage in (1, 2):
+            for group, shapes in zip(groups, shards.files_param_shapes(files)):
+                group["keys"] = list(shapes)
+        return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
+                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(engine.mp_world_size),
+                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage,
+                        position={"global_steps": int(engine.global_steps),
+                                  "global_samples": int(engine.global_samples)},
+                        optimizer={"type": type(engine.basic_optimizer).__name__, "param_groups": groups})
 
     def snapshot(self) -> None:
         """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
@@ -155,12 +189,13 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.rank, restored.step,
-                 restored.tier.replace(" ", "_"),
-                 restored.seconds)
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.rank, restored.step,
+                 restored.tier.replace(" ", "_"), restored.seconds,
+                 " ".join(f"{k}_s={v:.3f}" for k, v in restored.phases.items()))
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
+        t0 = time.perf_counter()
         tag, anchor = state["tag"], self.snap.last_restore.path
         self._memory = (state,)
         self.ckpt.serve(tag, state["files"], anchor)
@@ -178,7 +213,8 @@ class Handle:
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
         restore_rng_state(state["rank"]["rng"])
-        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag)
+        phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
+        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag, phases)
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
@@ -193,6 +229,13 @@ class Handle:
     def close(self) -> None:
         """Wait for the last commit (and flush), then let go of the SMP."""
         self.snap.close()
+
+
+def _plain(value) -> bool:
+    """JSON-plain hyperparameters only (a tensor-valued lr, say, stays in the state, not in the record)."""
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None):

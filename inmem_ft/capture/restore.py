@@ -1,0 +1,252 @@
+"""Restore: every rank agrees on the newest step all ranks hold intact, and reads it back fast.
+
+The fast path reads each byte of shared memory once: a rank copies its own slot into private memory and
+verifies each region's checksum on the copy while it is in cache; data-parallel shares held by the same
+node's SMP are copied straight out of their slots; only shares on other nodes travel. Every rank then
+votes on whether its copy verified; a corrupt slot anywhere makes all ranks fall back to the next older
+step they all hold. Nothing handed to the caller aliases shared memory, so a framework that keeps the
+restored tensors (torch optimizers do) can never write into a snapshot.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt, UnknownFormat
+from ..smp.segments import path_of
+from ..snapshot import layout, segment as seg
+
+log = logging.getLogger("inmem_ft.capture")
+NO_STEP = -1
+
+
+class NoUsableSnapshot(InmemFTError):
+    """Snapshots of a complete step exist in memory but not on every rank: starting over would lose them."""
+
+
+@dataclass
+class RestoreInfo:
+    step: int
+    source: str
+    seconds: float
+    bytes: int
+    path: str | None = None
+    """A file that holds the restored snapshot (its shared-memory slot), for loaders that want a path."""
+    phases: dict = field(default_factory=dict)
+    """Seconds per phase: list, agree, copy_verify, replicated, unpack (adapters add their own)."""
+
+
+@dataclass
+class _Candidate:
+    step: int
+    attached: object
+    manifest: dict
+    source: str
+
+
+class _Clock:
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - self.last, 4)
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class Restorer:
+    """The restore protocol of one Snapshotter (its SMP client, agreement group and slot mappings)."""
+
+    def __init__(self, snap):
+        self.snap = snap
+
+    def restore(self):
+        snap, clock = self.snap, _Clock()
+        listing = snap._smp.call("list", rank=snap.rank)
+        local = self._candidates(listing["slots"])
+        clock.mark("list")
+        rows = self._gather_candidates(local, listing)
+        clock.mark("agree")
+        # A rank that landed on another node than its snapshots (a re-queue, a replacement node) finds them on
+        # the other SMPs, or in parity, and has its own SMP install them; then everyone looks again.
+        want = max(max(row[0], row[3]) for row in rows)
+        mine = {c.step for c in local}
+        lacking = (want != NO_STEP and want not in mine) or (not mine and any(row[4] for row in rows))
+        if -snap._agree.min(-int(lacking and self._pull())):
+            listing = snap._smp.call("list", rank=snap.rank)
+            local = self._candidates(listing["slots"])
+            rows = self._gather_candidates(local, listing)
+            clock.mark("pull")
+        steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
+        while steps:
+            step = max(steps)
+            state, candidate, nbytes = self._load(step, local, clock)
+            if snap._agree.min(int(state is not None)):
+                return self._finish(step, state, candidate, nbytes, clock)
+            log.warning("restore rank=%d step=%d event=corrupt_elsewhere: a rank's copy of step %d failed its "
+                        "checksums; falling back to the next older step", snap.rank, step, step)
+            steps.discard(step)
+        return self._nothing(rows)
+
+    # ---- choosing the step ------------------------------------------------------------------------------
+    def _candidates(self, entries: list[dict]) -> list[_Candidate]:
+        """The rank's committed slots whose header and manifest check out (regions are checked on the copy)."""
+        out = []
+        for entry in entries:
+            attached = self.snap._attach(entry["segment"])
+            try:
+                _, manifest = seg.read_committed(attached.segment.buf, f"rank {self.snap.rank} slot {entry['segment']}")
+            except (SnapshotCorrupt, UnknownFormat) as e:
+                log.warning("restore rank=%d step=%d event=%s: %s; falling back to an older snapshot",
+                            self.snap.rank, entry["step"],
+                            "unknown_format" if isinstance(e, UnknownFormat) else "corrupt", e)
+                continue
+            out.append(_Candidate(entry["step"], attached, manifest, entry["source"]))
+        return out
+
+    def _pull(self) -> bool:
+        snap = self.snap
+        try:
+            pulled = snap._smp.pull(snap.rank)
+        except InmemFTError as e:  # no peers configured, or none reachable: the agreement below says what next
+            log.warning("restore rank=%d event=pull_failed: %s", snap.rank, e)
+            return False
+        for slot in pulled:
+            log.info("restore rank=%d step=%d event=pulled from_node=%d source=%s", snap.rank, slot["step"],
+                     slot["from_node"], slot["source"].replace(" ", "_"))
+        return bool(pulled)
+
+    def _gather_candidates(self, local: list[_Candidate], listing: dict) -> list[list[int]]:
+        """Every rank's steps (two, padded), the world size of a foreign-layout snapshot if any, the newest step
+        its SMP knows the job completed, and whether its SMP holds snapshots of any rank."""
+        snap = self.snap
+        mismatch = next((c.manifest["world_size"] for c in local if c.manifest["world_size"] != snap.world_size), 0)
+        steps = [c.step for c in local][:2]
+        known = NO_STEP if listing.get("complete_step") is None else int(listing["complete_step"])
+        rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch, known,
+                                                                          int(listing.get("holds_any", False))])
+        for rank, row in enumerate(rows):
+            if row[2]:
+                raise LayoutMismatch(
+                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
+                    f"{snap.world_size}; restart with the original layout (this release cannot reshard a snapshot "
+                    f"to another layout). Nothing was discarded.")
+        return rows
+
+    def _nothing(self, rows: list[list[int]]):
+        """No step is usable on every rank. Starting over is right only if no step was ever complete."""
+        snap = self.snap
+        held = [row[:2] for row in rows]
+        completed = max(row[3] for row in rows)
+        if completed != NO_STEP and not snap.config.start_fresh:
+            missing = [r for r, row in enumerate(rows) if row[0] == NO_STEP]
+            raise NoUsableSnapshot(
+                f"the SMPs hold snapshots (the job completed step {completed}), but no step is intact on every "
+                f"rank (steps held per rank: {held}; ranks with none: {missing or 'none'}): a node was lost "
+                f"without erasure coding, ranks landed on nodes whose SMPs do not hold their state, or "
+                f"snapshots were corrupted. Nothing was discarded. Restore from the disk tier, bring the "
+                f"missing node's SMP back, or set start_fresh (INMEM_FT_START_FRESH=1) to train from scratch.")
+        if any(s != NO_STEP for row in held for s in row):
+            log.warning("restore rank=%d event=none_complete steps_per_rank=%s: no step was ever complete on "
+                        "every rank; starting from scratch", snap.rank, held)
+        snap._smp.call("restored", rank=snap.rank, step=None)
+        snap._complete = None
+        if snap._heartbeat:
+            snap._heartbeat.beat(step=0, restored=None)
+        return None
+
+    # ---- reading it ------------------------------------------------------------------------------------
+    def _load(self, step: int, local: list[_Candidate], clock: _Clock):
+        """(state or None if this rank's copy failed its checksums, candidate, bytes). Collective."""
+        snap = self.snap
+        candidate = next(c for c in local if c.step == step)
+        header = seg.Header.read(candidate.attached.segment.buf)
+        shm = candidate.attached.bytes[header.data_off: header.data_off + header.data_len]
+        where = f"rank {snap.rank} slot {candidate.attached.segment.name}"
+        try:
+            data = seg.copy_verified(shm, candidate.manifest, where, step)
+        except SnapshotCorrupt as e:
+            log.warning("restore rank=%d step=%d event=corrupt: %s", snap.rank, step, e)
+            data = None
+        clock.mark("copy_verify")
+        # Collective whatever happened above: the rank's data-parallel peers wait for it here.
+        replicated = replicated_region(snap, candidate.manifest, shm if data is None else data, step,
+                                       header.data_off)
+        clock.mark("replicated")
+        if data is None:
+            return None, candidate, header.data_len
+        state = layout.unpack(candidate.manifest, data, replicated, owned=True)
+        clock.mark("unpack")
+        return state, candidate, header.data_len
+
+    def _finish(self, step, state, candidate: _Candidate, nbytes: int, clock: _Clock):
+        snap = self.snap
+        snap._smp.call("restored", rank=snap.rank, step=step)
+        snap._complete = step
+        info = RestoreInfo(step, candidate.source, clock.total, nbytes, path_of(candidate.attached.segment.name),
+                           dict(clock.phases))
+        snap.last_restore = info
+        log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
+                 candidate.source.replace(" ", "_"), info.seconds, nbytes,
+                 " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))
+        if snap._heartbeat:
+            snap._heartbeat.beat(step=step, restored=vars(info))
+        return state
+
+
+def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_off: int) -> torch.Tensor | None:
+    """The whole replicated region of `step` (private memory), from this rank's share in `data` and its
+    data-parallel peers' shares. Collective over the data-parallel group (a tiny exchange of where each
+    share lives; `data_off`: where `data` starts in this rank's slot): shares held by this node's SMP are
+    copied straight out of their slots, only shares on other nodes travel, read through the local SMP."""
+    rep = manifest.get("replicated")
+    if not rep:
+        return None
+    if rep["dp_size"] != snap.dp_size:
+        raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
+                             f"data-parallel ranks, this job has {snap.dp_size}; restart with the original "
+                             f"layout (this release cannot reshard a snapshot)")
+    out = torch.empty(rep["total"], dtype=torch.uint8)
+    out[rep["lo"]: rep["hi"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+    if snap.dp_size == 1:
+        return out
+    peers = dist.get_process_group_ranks(snap._dp_gloo)
+    where = torch.tensor([snap.config.node, data_off + rep["o"]], dtype=torch.int64)
+    found = [torch.empty_like(where) for _ in peers]
+    dist.all_gather(found, where, group=snap._dp_gloo)
+    for dp_rank, (rank, (node, offset)) in enumerate(zip(peers, (t.tolist() for t in found))):
+        if rank == snap.rank:
+            continue
+        lo, hi, _ = layout.share_bounds(rep["total"], dp_rank, snap.dp_size)
+        local = _local_share(snap, rank, step) if node == snap.config.node else None
+        if local is not None:
+            out[lo:hi] = local
+        else:  # its owner is on another node (its SMP verifies the share's checksum as it serves it)
+            snap._smp.read(node, rank, step, offset, hi - lo, into=out[lo:hi].numpy())
+    return out
+
+
+def _local_share(snap, rank: int, step: int) -> torch.Tensor | None:
+    """`rank`'s replicated share of `step` if this node's SMP holds it, else None. Its owner verifies it on
+    its own copy; the vote after the restore covers it."""
+    for entry in snap._smp.call("list", rank=rank)["slots"]:
+        if entry["step"] != step:
+            continue
+        attached = snap._attach(entry["segment"])
+        try:
+            header, manifest = seg.read_committed(attached.segment.buf, entry["segment"])
+        except (SnapshotCorrupt, UnknownFormat):
+            return None
+        rep = manifest["replicated"]
+        start = header.data_off + rep["o"]
+        return attached.bytes[start: start + rep["hi"] - rep["lo"]]
+    return None

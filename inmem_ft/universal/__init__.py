@@ -1,0 +1,1 @@
+"""Consolidated, layout-independent views of a snapshot: global tensors assembled from their fragments."""
