@@ -62,6 +62,20 @@ def to_tree(tasd, *, deduplicated: bool, extra_specs=lambda sh: ()) -> dict:
     return {"common": tasd.common, "tensors": tensors, "objects": objects}
 
 
+def _standalone(value):
+    """Tensors of a ShardedObject (RNG states) as tensors of their own: restore hands back views into the
+    slot's private copy, and torch.set_rng_state crashes (SIGSEGV) on a view that does not start its storage."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return type(value)((k, _standalone(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_standalone(v) for v in value)
+    return value
+
+
 def from_tree(tree: dict):
     """The inverse: a flat TASD (only shard ids matter to to_state_dict, not the nesting)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -73,7 +87,8 @@ def from_tree(tree: dict):
                                          t["global_offset"], t["axis_fragmentations"], t["replica_id"],
                                          t["prepend_axis_num"], t["allow_shape_mismatch"])
     for i, o in enumerate(tree["objects"]):
-        sharded[f"o{i}"] = ShardedObject(o["key"], o["data"], o["global_shape"], o["global_offset"], o["replica_id"])
+        sharded[f"o{i}"] = ShardedObject(o["key"], _standalone(o["data"]), o["global_shape"], o["global_offset"],
+                                         o["replica_id"])
     return MCoreTensorAwareStateDict(common=tree["common"], sharded_state_dict=sharded)
 
 
