@@ -18,6 +18,8 @@ setup(
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],
+        # Python >= 3.12; on 3.11: pip install --ignore-requires-python megatron-core==0.19.2 psutil
+        "megatron": ["megatron-core==0.19.2", "psutil"],
         "plot": ["matplotlib"],
         "test": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "psutil", "deepspeed==0.19.8"],
     },

@@ -13,4 +13,8 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -m pip install -q -c constraints.txt torch==2.13.0
 # DeepSpeed is an sdist; DS_BUILD_OPS=0 skips its CUDA ops so it builds on a CPU-only machine.
 DS_BUILD_OPS=0 python -m pip install -q -c constraints.txt -e '.[test]'
+# megatron-core 0.19.2 declares Python >= 3.12, yet its wheel installs and runs on 3.11 with the flag below
+# (shared/MEGATRON.md). Never nvidia-resiliency-ext: on 3.11 it breaks `import megatron.core`.
+python -m pip install -q -c constraints.txt 'numpy<2.4' psutil
+python -m pip install -q -c constraints.txt --ignore-requires-python megatron-core==0.19.2
 echo "$want" > "$stamp"

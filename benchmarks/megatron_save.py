@@ -1,0 +1,214 @@
+"""Megatron checkpoint stall: inmem_ft's snapshot vs Megatron's own torch_dist save, sync and async.
+
+    python benchmarks/megatron_save.py --quick --json out/megatron.json [--plot out/megatron.png]
+
+One GPT (Megatron-Core 0.19.2's pretrain loop, inmem_ft/examples/megatron_gpt.py; on CPU through the test
+shim) on 2 ranks at TP=2, in one run. At each of `repeats` save points of the same training run, on the
+same state, in this order (so that our copy overlaps the next forward/backward, as in production):
+  torch_dist_sync_s        save_checkpoint_and_time(...) with the torch_dist format, --async-save off
+  torch_dist_async_s       the same with --async-save (mcore strategy, a forked worker per save): the call
+  torch_dist_async_total_s ... plus the wait until Megatron finalizes it
+  inmem_blocking_s         Megatron's own non-persistent save call that our manager serves (Megatron builds
+                           the tensor-aware state dict; we start the copy) plus the wait for that copy
+                           before the next optimizer step
+  inmem_snapshotter_s      ... of which inmem_ft's own part (Snapshotter.save plus that wait); the rest is
+                           Megatron building the state dict
+Then, in a fresh launch (the same SMP): restore_s (the snapshot back from memory and loaded by Megatron)
+and disk_load_s (Megatron's load_checkpoint of the torch_dist checkpoint; page cache, no fsync).
+Medians over the repeats of the slowest rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import report  # benchmarks/report.py (the script's own folder is on sys.path)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+KEYS = ("inmem_blocking_s", "torch_dist_sync_s", "torch_dist_async_s", "torch_dist_async_total_s")
+BREAKDOWN = ("inmem_snapshotter_s",)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side (one rank process, under SimulatedCluster)
+# ---------------------------------------------------------------------------------------------------------
+
+def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
+    sys.path.insert(0, ROOT)
+    from inmem_ft.examples import megatron_gpt as example
+
+    args, cfg, handle, _ = example.prepare(megatron_argv)
+    # validate_args allows --async-save only with the persistent worker, a process spawned without the CPU
+    # shim that hangs here; a forked worker per save (Megatron's other mcore caller) runs on CPU.
+    args.use_persistent_ckpt_worker = False
+    import torch.distributed as dist
+    from megatron.training import training
+    from megatron.training.async_utils import maybe_finalize_async_save
+
+    rows = []
+    if phase == "save":
+        stock = training.save_checkpoint_and_time
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            stock(*a, **kw)
+            return time.perf_counter() - t0
+
+        def save_and_time(iteration, model, optimizer, scheduler, flops, context, non_persistent_ckpt=False,
+                          train_data_iterator=None):
+            if not non_persistent_ckpt:
+                return stock(iteration, model, optimizer, scheduler, flops, context, False, train_data_iterator)
+            row = {"iteration": iteration}
+            saved = (args.save, args.async_save)
+            for mode, is_async in (("sync", False), ("async", True)):
+                args.save, args.async_save = os.path.join(ckpt, mode), is_async
+                row[f"torch_dist_{mode}_s"] = timed(iteration, model, optimizer, scheduler, flops, context,
+                                                   False, train_data_iterator)
+                if is_async:
+                    t0 = time.perf_counter()
+                    maybe_finalize_async_save(blocking=True)
+                    row["torch_dist_async_total_s"] = row["torch_dist_async_s"] + time.perf_counter() - t0
+            args.save, args.async_save = saved
+            row["inmem_call_s"] = timed(iteration, model, optimizer, scheduler, flops, context, True,
+                                        train_data_iterator)
+            row["stall_index"] = len(handle.snap.metrics.stalls_s) - 1
+            row["stall_at_call_s"] = handle.snap.metrics.stalls_s[-1]  # without the fence wait yet
+            rows.append(row)
+
+        training.save_checkpoint_and_time = save_and_time
+        example.run(cfg)
+        handle.wait()
+        for row in rows:  # the fence before the next optimizer step added its wait to the snapshot's stall
+            ours = handle.snap.metrics.stalls_s[row.pop("stall_index")]
+            row["inmem_blocking_s"] = row.pop("inmem_call_s") + ours - row.pop("stall_at_call_s")
+            row["inmem_snapshotter_s"] = ours
+        result = {"rows": rows, "bytes": handle.snap.metrics.last_bytes}
+    else:
+        def load_from_disk(forward_step_func, model, optimizer, scheduler, *a, **kw):
+            from megatron.training.checkpointing import load_checkpoint
+
+            args.non_persistent_ckpt_type, args.load = None, os.path.join(ckpt, "sync")
+            dist.barrier()
+            t0 = time.perf_counter()
+            load_checkpoint(model, optimizer, scheduler, checkpointing_context={})
+            dist.barrier()
+            result["disk_load_s"] = time.perf_counter() - t0
+            return args.iteration, 0
+
+        result = {}
+        training.train = load_from_disk
+        example.run(cfg)
+        result["restore_s"] = handle.restored.seconds if handle.restored else None
+    handle.close()
+    with open(f"{out}.rank{dist.get_rank() if dist.is_initialized() else 0}.json", "w") as f:
+        json.dump(result, f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Orchestrator
+# ---------------------------------------------------------------------------------------------------------
+
+def model_argv(opts) -> list[str]:
+    iters = opts.warmup + opts.repeats * opts.interval + 1  # + 1: an optimizer step (and its fence) after each
+    return ["--tensor-model-parallel-size", "2", "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
+            "--num-attention-heads", "8", "--seq-length", "128", "--max-position-embeddings", "128",
+            "--vocab-size", "1024", "--train-iters", str(iters), "--save-interval", "1000000",
+            "--ckpt-assume-constant-structure",  # both kinds of save reuse their plan across saves
+            "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore",
+            "--inmem-ft", "--inmem-ft-interval", str(opts.interval), "--inmem-ft-job", opts.job]
+
+
+def slowest(per_rank: list[dict], key: str):
+    values = [r[key] for r in per_rank if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def orchestrate(opts) -> dict:
+    from inmem_ft.launcher.simulated import SimulatedCluster
+
+    work = tempfile.mkdtemp(prefix="inmem_ft-megatron-bench-")
+    os.environ["INMEM_FT_RUNTIME_DIR"] = os.path.join(work, "run")
+    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    results = {"model": {"layers": opts.layers, "hidden": opts.hidden, "tp": 2, "ranks": 2}, "repeats": opts.repeats}
+    try:
+        with SimulatedCluster(1, 2, opts.job, opts.budget, os.path.join(work, "logs")) as cluster:
+            for phase in ("save", "load"):
+                argv = [os.path.abspath(__file__), "--worker", phase, os.path.join(work, phase),
+                        os.path.join(work, "ckpt"), *model_argv(opts)]
+                attempt = cluster.run(argv, timeout_s=1800)
+                if not attempt.ok:
+                    sys.exit(f"the {phase} phase failed:\n{cluster.rank_log(attempt.number, attempt.first_failure)[-4000:]}")
+                per_rank = []
+                for rank in range(2):
+                    with open(os.path.join(work, f"{phase}.rank{rank}.json")) as f:
+                        per_rank.append(json.load(f))
+                if phase == "save":
+                    rows = list(zip(*(r["rows"] for r in per_rank)))[1:]  # the first is the warm-up save
+                    for key in KEYS + BREAKDOWN:
+                        results[key] = statistics.median(max(row[key] for row in ranks) for ranks in rows)
+                    results["bytes_per_rank"] = max(r["bytes"] for r in per_rank)
+                else:
+                    results["restore_s"] = slowest(per_rank, "restore_s")
+                    results["disk_load_s"] = slowest(per_rank, "disk_load_s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["blocked_vs_sync"] = results["inmem_blocking_s"] / results["torch_dist_sync_s"]
+    return results
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = ["inmem_ft", "torch_dist sync", "torch_dist async\n(call)", "torch_dist async\n(until written,\nnot blocking)"]
+    values = [results[k] for k in KEYS]
+    a.bar(names, values, color=["#2a7", "#c55", "#d98", "#eb9"])
+    a.set_ylabel("training blocked per save (s)")
+    a.set_title(f"Megatron GPT, {results['model']['layers']}x{results['model']['hidden']}, TP=2")
+    for i, v in enumerate(values):
+        a.annotate(f"{v:.3f}", (i, v), ha="center", va="bottom", fontsize=8)
+    a.tick_params(axis="x", labelsize=8)
+    b.bar(["inmem_ft restore\n(memory)", "Megatron load\n(torch_dist, disk)"],
+          [results["restore_s"], results["disk_load_s"]], color=["#2a7", "#c55"])
+    b.set_ylabel("seconds")
+    b.set_title("restore after a restart")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    opts = p.parse_args()
+    opts.layers = opts.layers or (4 if opts.quick else 6)
+    opts.hidden = opts.hidden or (256 if opts.quick else 512)
+    opts.repeats = opts.repeats or (3 if opts.quick else 5)
+    opts.warmup, opts.interval = 2, 2  # the save at iteration 2 warms up and is dropped
+    opts.budget, opts.job = 4 << 30, f"mbench{os.getpid()}"
+    results = orchestrate(opts)
+    print(f"{'':28}{'seconds':>10}")
+    for key in (*KEYS, *BREAKDOWN, "restore_s", "disk_load_s"):
+        print(f"{key:28}{results[key]:>10.4f}")
+    print(f"inmem blocked / torch_dist sync save: {results['blocked_vs_sync']:.3f}")
+    report.write(results, opts.json, plot, opts.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""A small GPT trained with Megatron-Core's own pretrain() loop and protected by inmem_ft (`--inmem-ft`).
+
+Like Megatron-LM's pretrain_gpt.py, on synthetic data: every Megatron argument works (TP, PP, DP, the
+distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provider=add_args` and
+`install(args)`. Run one process per rank with the torchrun variables set (torchrun,
+launch/torchrun_inmem.sh, `inmem-ft launch`) and an SMP per node, e.g.
+
+    inmem-ft launch --nodes 1 --ranks-per-node 2 --kill-rank 7:1 -- -m inmem_ft.examples.megatron_gpt \\
+        --tensor-model-parallel-size 2 --train-iters 12 --inmem-ft --inmem-ft-interval 3
+
+Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
+(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from functools import partial
+
+import torch
+
+import inmem_ft.telemetry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPU = not torch.cuda.is_available()
+
+# A tiny model: the point is the protocol, not the throughput. Any of these can be given on the command line.
+DEFAULTS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--lr-decay-iters", "1000", "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+            "--eval-iters", "0", "--eval-interval", "1000000"]
+CPU_DEFAULTS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+                "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+                "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int}
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], dict]:
+    """The example's own flags out of the command line; Megatron's parser gets the rest (after the defaults)."""
+    own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0}, [], 0
+    while i < len(argv):
+        if argv[i] in EXAMPLE_FLAGS:
+            own[argv[i][2:].replace("-", "_")] = EXAMPLE_FLAGS[argv[i]](argv[i + 1])
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("INMEM_FT_ATTEMPT", "1") != "1":
+        own["die_at"] = None  # restarted after the injected failure: do not fail again
+    return DEFAULTS + (CPU_DEFAULTS if CPU else []) + rest, own
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """Arithmetic token sequences (start, stride): learnable, and sample i is a pure function of i, so the
+    data position a resume must bring back is Megatron's consumed_train_samples."""
+
+    def __init__(self, num_samples: int, seq: int, vocab: int, seed: int):
+        self.n, self.seq, self.vocab, self.seed = num_samples, seq, vocab, seed
+        self.mask = torch.ones(1, seq, seq, dtype=torch.bool).triu(1)  # True = masked (causal)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
+        start, stride = int(torch.randint(0, self.vocab, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        seq = (start + stride * torch.arange(self.seq + 1)) % self.vocab
+        return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(self.seq),
+                "position_ids": torch.arange(self.seq), "attention_mask": self.mask}
+
+
+def datasets_provider(num_samples, vp_stage=None):
+    from megatron.training import get_args
+
+    args = get_args()
+    return [SyntheticTokens(n, args.seq_length, args.padded_vocab_size, args.seed + k) if n else None
+            for k, n in enumerate(num_samples)]
+
+
+datasets_provider.is_distributed = True  # every rank builds its own (no TP broadcast of the batch)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(config=config or core_transformer_config_from_args(args),
+                    transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, pg_collection=pg_collection,
+                    vp_stage=vp_stage)
+
+
+def loss_func(loss_mask, output_tensor):
+    losses, mask = output_tensor.view(-1).float(), loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def log_metrics(own: dict, handle) -> None:
+    """Per iteration: loss and grad norm to the loss log (what the resume tests compare), the heartbeat, and
+    the injected failure. Hooks Megatron's training_log, which every rank calls once per iteration."""
+    import inmem_ft
+    from megatron.training import training
+
+    stock = training.training_log
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, *args, **kwargs):
+        loss = torch.tensor([float(loss_dict["lm loss"]) if "lm loss" in loss_dict else 0.0], dtype=torch.float64)
+        torch.distributed.broadcast(loss, src=torch.distributed.get_world_size() - 1)  # the last stage has it
+        if torch.distributed.get_rank() == 0:
+            inmem_ft.report_loss(iteration, loss.item(), own["loss_log"], grad_norm=grad_norm, lr=learning_rate)
+        if handle is not None:
+            handle.snap.heartbeat(step=iteration)
+        if iteration == own["die_at"] and torch.distributed.get_rank() == own["die_rank"]:
+            if handle is not None:
+                handle.wait()  # which snapshot survives is then fixed
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stock(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                     skipped_iter, grad_norm, *args, **kwargs)
+
+    training.training_log = training_log
+
+
+def install_cpu_shim() -> None:
+    """Without CUDA: the test-only shim that lets Megatron run on the CPU (before megatron is imported)."""
+    if CPU:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        import megatron_cpu_shim
+
+        megatron_cpu_shim.install()
+
+
+def prepare(argv: list[str]):
+    """Everything before pretrain(): the CPU shim where needed, Megatron's arguments (with ours), install().
+    Returns (args, cfg, handle, the example's own flags)."""
+    megatron_argv, own = split_argv(argv)
+    install_cpu_shim()
+    inmem_ft.telemetry.log_to_stderr()  # Megatron configures the root logger itself
+    torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
+
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from inmem_ft.integrations import megatron as inmem_megatron
+
+    sys.argv = [sys.argv[0], *megatron_argv]
+    args = parse_and_validate_args(extra_args_provider=inmem_megatron.add_args, args_defaults={})
+    cfg = pretrain_cfg_container_from_args(args, None)
+    handle = inmem_megatron.install(args)  # the one inmem_ft line (None without --inmem-ft)
+    return args, cfg, handle, own
+
+
+def run(cfg) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+def main() -> None:
+    args, cfg, handle, own = prepare(sys.argv[1:])
+    log_metrics(own, handle)
+    run(cfg)
+    if handle is not None:
+        handle.close()
+
+
+if __name__ == "__main__":  # Megatron's torch_dist save spawns processes: keep the guard
+    main()

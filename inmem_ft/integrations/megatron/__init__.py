@@ -1,0 +1,123 @@
+"""Megatron-Core adapter: one pretrain argument and one call in the entry script.
+
+    from inmem_ft.integrations import megatron as inmem_megatron
+
+    args = parse_and_validate_args(extra_args_provider=inmem_megatron.add_args, args_defaults={})
+    cfg = pretrain_cfg_container_from_args(args, model_cfg)
+    handle = inmem_megatron.install(args)      # None unless --inmem-ft
+    pretrain(cfg, ...)
+    if handle: handle.close()
+
+Megatron keeps deciding what to save and load: the adapter is its local-checkpoint manager (manager.py),
+driven by `--inmem-ft-interval` through Megatron's non-persistent save interval. Megatron's persistent
+`--save` checkpoints stay stock and remain the disk tier. What is patched, and why: patch.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .args import add_args, block_from_args
+
+log = logging.getLogger("inmem_ft.megatron")
+
+
+@dataclass
+class Restored:
+    step: int
+    tier: str  # "memory" | "peer reconstruction"
+    seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
+
+
+class Handle:
+    """Made by install(); its Snapshotter exists once Megatron has initialized torch.distributed."""
+
+    def __init__(self, args, block):
+        self.args, self.block = args, block
+        self.snap = self.manager = self.layout = None
+        self.restored: Restored | None = None
+
+    def _before_load(self, checkpointing_context: dict, optimizer) -> None:
+        from ...capture import Snapshotter
+        from . import patch
+        from .manager import NONE, InmemCheckpointManager
+
+        self.snap = Snapshotter(self.block.snapshot_config())
+        self.manager = InmemCheckpointManager(
+            self.snap, self.args.non_persistent_local_ckpt_dir, lambda it: self.layout.topology(it),
+            deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
+            extra_specs=self._extra_specs)
+        checkpointing_context["local_checkpoint_manager"] = self.manager
+        if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
+            patch.fill_empty_optimizer_state(optimizer)
+
+    def _after_load(self, model, optimizer, iteration: int) -> None:
+        from . import patch
+        from .layout import MegatronLayout
+
+        patch.restore_adam_steps(optimizer)
+        patch.fence_before_step(optimizer, self.snap.fence)
+        self.layout = MegatronLayout(self.args, model, optimizer)
+        served = self.manager.release()
+        if served:
+            info = self.snap.last_restore
+            self.restored = Restored(info.step, info.source, time.perf_counter() - self.manager.restore_t0)
+            log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.snap.rank, info.step,
+                     info.source.replace(" ", "_"), self.restored.seconds)
+        elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
+            log.info("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank, iteration)
+        else:
+            log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
+
+    def _extra_specs(self, sh):
+        return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
+
+    def wait(self) -> None:
+        """Until the last snapshot is committed."""
+        if self.snap is not None:
+            self.snap.wait()
+
+    def close(self) -> None:
+        """After pretrain(): wait for the last commit, then let go of the SMP."""
+        if self.snap is not None:
+            self.snap.close()
+
+
+def install(args) -> Handle | None:
+    """Turn on in-memory snapshots for this pretrain run, per `--inmem-ft*` (see add_args). Call it on every
+    rank after parse_and_validate_args and before pretrain(). Returns None without --inmem-ft."""
+    if not getattr(args, "inmem_ft", False):
+        return None
+    from ...errors import ConfigError
+    from ...smp import paths
+    from . import patch
+
+    block = block_from_args(args)
+    patch.check_version()
+    if args.non_persistent_ckpt_type is not None:
+        raise ConfigError(f"--inmem-ft replaces --non-persistent-ckpt-type (got {args.non_persistent_ckpt_type!r}); "
+                          f"drop one of them")
+    if args.ckpt_format != "torch_dist" and not args.auto_detect_ckpt_format:
+        raise ConfigError(f"--inmem-ft needs --ckpt-format torch_dist (got {args.ckpt_format!r}) or "
+                          f"--auto-detect-ckpt-format: Megatron reads local checkpoints only then")
+    scratch = os.path.join(paths.job_dir(block.snapshot_config().job), "megatron")
+    # Megatron's non-persistent 'local' checkpoints, ours: every `interval` iterations unless a persistent
+    # --save falls on the same one. They need args.save set, and loading needs args.load set; a run without
+    # --save/--load gets a scratch directory (pretrain's cfg keeps save=None, so no persistent save at the
+    # end). The cfg's non_persistent_ckpt_type stays None: pretrain() would build nvrx's manager.
+    args.non_persistent_ckpt_type = "local"
+    args.non_persistent_save_interval = block.interval
+    args.non_persistent_local_ckpt_dir = scratch
+    args.save = args.save or scratch
+    args.load = args.load or scratch
+    os.makedirs(scratch, exist_ok=True)
+    patch.allow_local_tasd()
+    patch.register_safe_classes(args)
+    handle = Handle(args, block)
+    patch.around_load(handle._before_load, handle._after_load)
+    return handle
+
+
+__all__ = ["add_args", "install", "Handle", "Restored"]

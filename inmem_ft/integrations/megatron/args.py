@@ -1,0 +1,76 @@
+"""The pretrain arguments (`--inmem-ft ...`) and the config block they resolve to.
+
+Values are checked while Megatron parses its command line, so a bad one stops the job before any process
+group exists, with argparse's "argument --inmem-ft-...: ..." message naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from ...config import InmemFTBlock
+from ...errors import ConfigError
+from ...smp import paths
+
+
+def _interval(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be an integer number of iterations >= 1")
+    return n
+
+
+def _job(value: str) -> str:
+    try:
+        return paths.check_job(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _config_file(path: str) -> str:
+    # Kept as the path (args are stored in every Megatron checkpoint): only checked here.
+    try:
+        read_block(path)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
+
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's `extra_args_provider`: parse_and_validate_args(extra_args_provider=add_args)."""
+    g = parser.add_argument_group("inmem_ft", "in-memory, erasure-coded snapshots (inmem_ft)")
+    g.add_argument("--inmem-ft", action="store_true",
+                   help="snapshot the training state into the node's SMP and restore from it on start")
+    g.add_argument("--inmem-ft-interval", type=_interval, default=None, metavar="N",
+                   help="snapshot every N iterations (default: the config's interval, else 100)")
+    g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
+                   help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
+    g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
+                   help="JSON file with an \"inmem_ft\" block, the same as in a DeepSpeed config")
+    return parser
+
+
+def read_block(path: str) -> InmemFTBlock:
+    with open(path) as f:
+        try:
+            config = json.load(f)
+        except ValueError as e:
+            raise ConfigError(f"{path}: not JSON: {e}") from None
+    if not isinstance(config, dict) or "inmem_ft" not in config:
+        raise ConfigError(f"{path}: no \"inmem_ft\" block at the top level (see configs/megatron_gpt.json)")
+    return InmemFTBlock.from_framework_config(config)
+
+
+def block_from_args(args) -> InmemFTBlock:
+    """The block of --inmem-ft-config with the command line's interval and job over it."""
+    block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
+    if block.persist_dir or block.persist_every:
+        raise ConfigError("--inmem-ft-config: 'persist_dir'/'persist_every' are DeepSpeed's disk tier; with "
+                          "Megatron, its own --save/--save-interval checkpoints are the disk tier: remove them")
+    overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job))
+                 if v is not None}
+    return dataclasses.replace(block, **overrides, enabled=True)

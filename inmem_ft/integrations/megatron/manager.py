@@ -1,0 +1,140 @@
+"""The object Megatron finds in `checkpointing_context['local_checkpoint_manager']`.
+
+Megatron builds the tensor-aware state dict (TASD) and decides when to save and what to load; this class
+only translates (megatron.training.checkpointing, 0.19.2, MEGATRON.md section 1):
+
+- save(tasd, iteration, is_async): every ShardedTensor this rank holds becomes a tensor with its shard spec,
+  every ShardedObject a plain value; Snapshotter.save copies them behind the next forward/backward. With
+  the 'fully_parallel' algorithm Megatron has already set `data=None` on all data-parallel replicas of a
+  shard but one, so a replicated shard is stored once across data-parallel ranks.
+- find_latest() and load(), each called twice per load_checkpoint (a common-only pass, then the real one):
+  the first find_latest restores the snapshot (collective), load() rebuilds a flat TASD from it; Megatron's
+  to_state_dict() then matches shards by id and broadcasts the data-parallel-deduplicated ones back.
+"""
+from __future__ import annotations
+
+import time
+
+from ...capture import Snapshotter
+from ...snapshot import ShardSpec, Sharded
+
+NONE = -1
+
+
+def replica_tuple(replica_id) -> tuple[int, ...]:
+    return (int(replica_id),) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)
+
+
+def shard_spec(sh, *, deduplicated: bool) -> ShardSpec:
+    """A Megatron ShardedTensor's place in the model. `main` marks the one stored copy a loader reads: all
+    replica coordinates 0, except that with data-parallel deduplication the data-parallel coordinate (the
+    last) is whichever rank Megatron chose to store it."""
+    replica = replica_tuple(sh.replica_id)
+    counted = replica[:-1] if deduplicated else replica
+    return ShardSpec(sh.key, tuple(sh.global_shape), offset=tuple(sh.global_offset),
+                     shape=(1,) * sh.prepend_axis_num + tuple(sh.local_shape), replica=replica,
+                     main=all(r == 0 for r in counted), prepend_axis_num=sh.prepend_axis_num,
+                     axis_fragmentations=tuple(sh.axis_fragmentations) if sh.axis_fragmentations else None)
+
+
+def to_tree(tasd, *, deduplicated: bool, extra_specs=lambda sh: ()) -> dict:
+    """TASD -> a plain tree of specs and values. `extra_specs(sh)`: more specs for the same elements (the
+    model-space place of distributed-optimizer bucket slices)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    tensors, objects = [], []
+    for sh in nested_values(tasd.sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                continue  # another data-parallel rank stores this shard
+            if sh.flattened_range is not None:  # rejected by Megatron 0.19.2 itself; never produced
+                raise ValueError(f"{sh.key}: flattened_range shards are not supported")
+            specs = (shard_spec(sh, deduplicated=deduplicated), *extra_specs(sh))
+            # The shard id Megatron matches on load, plainly (restore gives back bare tensors, not specs)
+            tensors.append({"key": sh.key, "local_shape": tuple(sh.local_shape), "global_shape": tuple(sh.global_shape),
+                            "global_offset": tuple(sh.global_offset), "axis_fragmentations": sh.axis_fragmentations,
+                            "replica_id": sh.replica_id, "prepend_axis_num": sh.prepend_axis_num,
+                            "allow_shape_mismatch": sh.allow_shape_mismatch, "data": Sharded(sh.data, specs)})
+        elif isinstance(sh, ShardedObject):
+            objects.append({"key": sh.key, "global_shape": tuple(sh.global_shape),
+                            "global_offset": tuple(sh.global_offset), "replica_id": sh.replica_id, "data": sh.data})
+    return {"common": tasd.common, "tensors": tensors, "objects": objects}
+
+
+def _standalone(value):
+    """Tensors of a ShardedObject (RNG states) as tensors of their own: restore hands back views into the
+    slot's private copy, and torch.set_rng_state crashes (SIGSEGV) on a view that does not start its storage."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return type(value)((k, _standalone(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_standalone(v) for v in value)
+    return value
+
+
+def from_tree(tree: dict):
+    """The inverse: a flat TASD (only shard ids matter to to_state_dict, not the nesting)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    sharded = {}
+    for i, t in enumerate(tree["tensors"]):
+        sharded[f"t{i}"] = ShardedTensor(t["key"], t["data"], t["data"].dtype, t["local_shape"], t["global_shape"],
+                                         t["global_offset"], t["axis_fragmentations"], t["replica_id"],
+                                         t["prepend_axis_num"], t["allow_shape_mismatch"])
+    for i, o in enumerate(tree["objects"]):
+        sharded[f"o{i}"] = ShardedObject(o["key"], _standalone(o["data"]), o["global_shape"], o["global_offset"],
+                                         o["replica_id"])
+    return MCoreTensorAwareStateDict(common=tree["common"], sharded_state_dict=sharded)
+
+
+class InmemCheckpointManager:
+    """find_latest / save / load, as Megatron calls nvidia-resiliency-ext's LocalCheckpointManager."""
+
+    def __init__(self, snap: Snapshotter, local_ckpt_dir: str, topology, *, deduplicated: bool,
+                 extra_specs=lambda sh: ()):
+        """topology(iteration) -> the Topology record of a snapshot; extra_specs: see to_tree."""
+        self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
+        self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
+        self._restored: dict | None = None
+        self._looked = self._served = False
+        self.restore_t0: float | None = None
+
+    # ---- save ---------------------------------------------------------------------------------------------
+    def save(self, tasd, iteration: int, is_async: bool = False):
+        tree = to_tree(tasd, deduplicated=self._deduplicated, extra_specs=self._extra_specs)
+        # overlap: the copy runs behind the next forward/backward; the optimizer step fences (see patch.py).
+        self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(iteration))
+        if not is_async:
+            return None
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        # No worker process (async_fn None): Megatron runs the finalize functions at a later
+        # maybe_finalize_async_save, by when the commit has usually finished; wait() raises if it failed
+        # and on_error is 'raise'.
+        return AsyncRequest(None, (), [self.snap.wait])
+
+    # ---- load ---------------------------------------------------------------------------------------------
+    def find_latest(self) -> int:
+        """Collective. The first call restores (every rank agrees on the newest complete step)."""
+        if not self._looked:
+            self._looked = True
+            self.restore_t0 = time.perf_counter()
+            self._restored = self.snap.restore()
+        return self.snap.last_restore.step if self._restored is not None else NONE
+
+    def load(self):
+        if self._restored is None:
+            raise RuntimeError("inmem_ft: Megatron asked to load a snapshot, but find_latest() found none")
+        self._served = True
+        return from_tree(self._restored), f"inmem_ft snapshot of iteration {self.snap.last_restore.step}"
+
+    def release(self) -> bool:
+        """After Megatron's load: drop the restored copy. True if Megatron loaded it (it takes a newer
+        persistent checkpoint under --load instead, if there is one)."""
+        self._restored = None
+        return self._served

@@ -1,0 +1,125 @@
+"""Every change this adapter makes to Megatron, in one place. All are tied to megatron-core 0.19.2
+(check_version refuses others); each says why the stock code cannot do without it.
+"""
+from __future__ import annotations
+
+import functools
+
+from ...errors import ConfigError
+
+TESTED = ("0.19.2",)
+
+
+def check_version() -> str:
+    from megatron.core.package_info import __version__
+
+    # The wheel appends '+<git hash>' when a git checkout happens to enclose site-packages: not a version
+    release = __version__.split("+")[0]
+    if release not in TESTED:
+        raise ConfigError(f"--inmem-ft: megatron-core {release} is not supported; this inmem_ft is tested with "
+                          f"megatron-core {', '.join(TESTED)} (pip install --ignore-requires-python "
+                          f"megatron-core=={TESTED[-1]}), whose checkpoint hooks it patches")
+    return release
+
+
+def register_safe_classes(args) -> None:
+    """The common part of Megatron's state (args, rerun state) holds a Namespace and Enums; allow exactly
+    those in snapshots: Megatron's enum modules (`args.model_type` is set only later, in get_model) and the
+    enums already in args (e.g. signal.Signals)."""
+    import argparse
+    import enum
+
+    import megatron.core.enums
+    import megatron.core.rerun_state_machine
+    import megatron.core.transformer.enums
+
+    from ...snapshot import register_safe_class
+
+    register_safe_class(argparse.Namespace, *{type(v) for v in vars(args).values() if isinstance(v, enum.Enum)})
+    for module in (megatron.core.enums, megatron.core.transformer.enums, megatron.core.rerun_state_machine):
+        register_safe_class(*(v for v in vars(module).values()
+                              if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__))
+
+
+def allow_local_tasd() -> None:
+    """MCoreTensorAwareStateDict.from_state_dict refuses to run without nvidia-resiliency-ext, whose only
+    use there is the base class; it does not install next to 0.19.2 on Python 3.11 (MEGATRON.md)."""
+    from megatron.core.dist_checkpointing import tensor_aware_state_dict
+
+    tensor_aware_state_dict.HAVE_NVRX = True
+
+
+def around_load(before, after) -> None:
+    """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
+    load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
+    `before(checkpointing_context, optimizer)` puts ours in place just ahead of that load,
+    `after(model, optimizer, iteration loaded)` runs once it is done. Later loads (RL reference weights) stay stock.
+    The load runs under no_grad: with fp32 parameters the distributed optimizer's main parameters are views
+    of them, and 0.19.2 copies the loaded values into those in place (autograd refuses that otherwise)."""
+    import torch
+    from megatron.training import training
+
+    load = training.load_checkpoint
+    first = [True]
+
+    @functools.wraps(load)
+    def wrapped(model, optimizer, opt_param_scheduler, *args, checkpointing_context=None, **kwargs):
+        if not first[0] or checkpointing_context is None:
+            return load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
+                        **kwargs)
+        first[0] = False
+        before(checkpointing_context, optimizer)
+        with torch.no_grad():
+            out = load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
+                       **kwargs)
+        after(model, optimizer, out[0])
+        return out
+
+    training.load_checkpoint = wrapped
+
+
+def fill_empty_optimizer_state(optimizer) -> None:
+    """0.19.2's DistributedOptimizer.state_dict (without Apex/TE) asserts that its Adam state holds exactly one
+    `step`, which a fresh optimizer's empty state does not: loading any checkpoint into it fails. Megatron's
+    own remedy for that (used for its FSDP format) is one optimizer step on zero gradients; the load then
+    overwrites every value it wrote."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "_init_optimizer_states_with_dummy_values") and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def fence_before_step(optimizer, fence) -> None:
+    """The snapshot's copy runs behind forward/backward; the optimizer step is the first thing to change the
+    snapshotted tensors, so it waits for that copy (and only for it). MegatronOptimizer.step is not a
+    torch.optim step, so it has no pre-hooks: the bound method is wrapped."""
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def fenced(*args, **kwargs):
+        fence()
+        return step(*args, **kwargs)
+
+    optimizer.step = fenced
+
+
+def restore_adam_steps(optimizer) -> None:
+    """0.19.2's DistributedOptimizer.load_state_dict (without Apex/TE) gets Adam's `step` wrong twice: it
+    gives every parameter the same tensor, which torch's Adam then increments once per parameter each step,
+    and its bucket-state load then copies into that tensor the step the optimizer had *before* the load.
+    Either way the bias correction silently drifts. The checkpoint's step is in the param groups: give each
+    parameter its own tensor of it, as an optimizer that never stopped has. Other optimizers load per-parameter
+    steps correctly; theirs are only unshared."""
+    import torch
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        distributed = hasattr(opt, "gbuf_ranges")
+        for group in (inner.param_groups if inner is not None else ()):
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if not torch.is_tensor(state.get("step")):
+                    continue
+                if distributed and group.get("step") is not None:
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+                else:
+                    state["step"] = state["step"].clone()

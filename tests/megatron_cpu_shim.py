@@ -1,0 +1,188 @@
+"""Test-only: lets megatron-core 0.19.2 train on a CPU-only machine (gloo, --transformer-impl local).
+
+Import it before anything imports megatron. Megatron assumes CUDA everywhere (factory calls with
+device='cuda' or torch.cuda.current_device(), .cuda(), CUDA RNG states, streams, events); this module
+maps all of that onto the CPU. It is the recipe of shared/MEGATRON.md, section "The CPU shim", and is
+never used where CUDA is present (install() refuses to run there). Nothing in inmem_ft imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import types
+import typing
+
+import torch
+
+_installed = False
+
+
+def _cpu(device):
+    """A device argument as the CPU when it names CUDA (a string, a torch.device or a bare index)."""
+    if isinstance(device, bool):
+        return device
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+def _redirect_device(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint", "randperm",
+              "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "as_tensor",
+              "empty_strided", "linspace", "eye", "frombuffer")
+
+
+def _tensor_to(orig):
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        args = tuple(_cpu(a) if not isinstance(a, (torch.dtype, torch.Tensor)) else a for a in args)
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return orig(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_type(orig):
+    @functools.wraps(orig)
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return orig(self, *args, **kwargs)
+        # clip_grads.py asserts that grads are torch.cuda.FloatTensor
+        return orig(self).replace("torch.", "torch.cuda.", 1)
+
+    return type_
+
+
+class _Dummy:
+    """Stands in for streams, events and device contexts: every method is a no-op."""
+
+    def __init__(self, *a, **kw):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: 0.0 if name == "elapsed_time" else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _patch_cuda() -> None:
+    c = torch.cuda
+    c.is_available = lambda: True
+    c.is_initialized = lambda: True
+    c.device_count = lambda: 1
+    c.current_device = lambda: 0
+    for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats", "init", "_lazy_init",
+                 "reset_max_memory_allocated", "memory._record_memory_history"):
+        if "." not in name:
+            setattr(c, name, lambda *a, **kw: None)
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(c, name, lambda *a, **kw: 0)
+    c.memory_stats = lambda *a, **kw: {}
+    c.mem_get_info = lambda *a, **kw: (0, 0)
+    c.get_device_properties = lambda *a, **kw: types.SimpleNamespace(
+        name="cpu-shim", total_memory=0, major=9, minor=0, multi_processor_count=1, gcnArchName="")
+    c.get_device_capability = lambda *a, **kw: (9, 0)
+    c.get_device_name = lambda *a, **kw: "cpu-shim"
+    c.Stream = c.Event = _Dummy
+    c.current_stream = c.default_stream = lambda *a, **kw: _Dummy()
+    c.stream = lambda *a, **kw: contextlib.nullcontext()
+    c.device = _Dummy
+    # CUDA RNG -> the CPU generator (Megatron's trackers swap CUDA states around every dropout region)
+    c.get_rng_state = lambda *a, **kw: torch.get_rng_state()
+    c.set_rng_state = lambda state, *a, **kw: torch.set_rng_state(state)
+    c.get_rng_state_all = lambda: [torch.get_rng_state()]
+    c.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
+    # not torch.manual_seed: that calls torch.cuda.manual_seed_all itself
+    c.manual_seed = c.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    c.random.get_rng_state = c.get_rng_state
+    c.random.set_rng_state = c.set_rng_state
+
+
+def _patch_tensors() -> None:
+    for name in _FACTORIES:
+        if hasattr(torch, name):
+            setattr(torch, name, _redirect_device(getattr(torch, name)))
+    torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.cuda = lambda self, *a, **kw: self
+    torch.Tensor.pin_memory = lambda self, *a, **kw: self
+    torch.Tensor.record_stream = lambda self, *a, **kw: None
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
+    torch.nn.Module.cuda = lambda self, *a, **kw: self
+
+
+def _patch_data_loader() -> None:
+    """On a GPU, dropout draws from the CUDA generator and a DataLoader's seed draw (each new iterator) from the
+    CPU one. Here both are the CPU generator, so a resumed run, which builds its data iterator after loading
+    the RNG states, would shift every dropout mask by that one draw. Loaders get a generator of their own,
+    as the two streams are separate on a GPU."""
+    init = torch.utils.data.DataLoader.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("generator") is None:
+            kwargs["generator"] = torch.Generator().manual_seed(0)
+        init(self, *args, **kwargs)
+
+    torch.utils.data.DataLoader.__init__ = __init__
+
+
+def _stand_in_modules() -> None:
+    if not hasattr(typing, "override"):  # megatron.training.models uses the Python 3.12 decorator
+        typing.override = lambda f: f
+    # The MoE paged-stash kernels import triton at module level; GPT without MoE never calls them.
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    mod = types.ModuleType(name)
+    mod.GLOBAL_BLOCK_SIZE = 1024
+    mod.paged_stash_copy_kernel = mod.paged_stash_pop_kernel = None
+    mod.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = mod
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, clone=False, **kw: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **kw: torch.set_rng_state(state)
+    import megatron.core.datasets.utils as dutils
+
+    dutils.compile_helpers = lambda: None  # rank 0 would run `make`; the wheel ships no Makefile
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_cpu_shim is for machines without CUDA; run Megatron as it is here")
+    if "megatron" in sys.modules:
+        raise RuntimeError("install megatron_cpu_shim before anything imports megatron")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # Megatron's jit_fuser is torch.compile
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # validate_args asserts it for TP
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.disable = True
+    _stand_in_modules()
+    _patch_cuda()
+    _patch_tensors()
+    _patch_data_loader()
+    _patch_megatron()
+    _installed = True

@@ -1,0 +1,189 @@
+"""Megatron-Core with --inmem-ft, for real: megatron-core 0.19.2's own pretrain() loop on CPU (gloo, through
+tests/megatron_cpu_shim.py), several processes, a real SMP. A rank is killed with SIGKILL mid-run; the
+restarted job resumes from memory and every iteration's loss and grad norm equal the uninterrupted run's.
+
+Each scenario costs three Megatron launches (about 25 s each on a quiet 2-core box, mostly imports): the
+uninterrupted reference runs beside the first attempt. The 4-rank, PP and distributed-optimizer cases are
+`slow` (.ci/run runs them).
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import wait_protected
+from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp import paths
+from inmem_ft.smp.segments import Segment, names_with_prefix
+from inmem_ft.snapshot import ShardSpec
+from inmem_ft.snapshot.segment import read_committed
+
+if importlib.util.find_spec("megatron") is None:  # not importorskip: importing it needs the shim first
+    pytest.skip("megatron-core is not installed (scripts/bootstrap.sh installs it)", allow_module_level=True)
+
+ITERS, INTERVAL, DIE_AT = 8, 3, 5  # snapshots at 3 and 6; the kill after 5 resumes from 3
+EXAMPLE = ["-m", "inmem_ft.examples.megatron_gpt", "--train-iters", str(ITERS)]
+INMEM = ["--inmem-ft", "--inmem-ft-interval", str(INTERVAL)]
+BUDGET = 256 << 20
+
+
+def metrics(path) -> dict[int, tuple[float, float]]:
+    """(loss, grad norm) of each iteration; an iteration run again after a restart keeps its last value."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            out[rec["step"]] = (rec["loss"], rec["grad_norm"])
+    return out
+
+
+def manifests(cluster, step: int) -> list[dict]:
+    """Every rank's committed manifest of `step`, read from the SMPs' shared memory."""
+    out = []
+    for node in range(cluster.nodes):
+        for name in names_with_prefix(paths.segment_prefix(cluster.job, node)):
+            segment = Segment(name)
+            try:
+                _, manifest = read_committed(segment.buf, name)
+            except Exception:
+                continue  # the slot being reused, or never committed
+            finally:
+                segment.close()
+            if manifest["step"] == step:
+                out.append(manifest)
+    return out
+
+
+def assert_specs_tile_the_model(manifests: list[dict], world_size: int, sizes: dict) -> None:
+    """What the resharding loader relies on: across all ranks, the `main` shards of every key cover each
+    element of its global tensor exactly once (boxes and flat ranges), and the topology is Megatron's."""
+    assert sorted(m["rank"] for m in manifests) == list(range(world_size))
+    covered: dict[str, list] = {}
+    for m in manifests:
+        topo = m["topology"]
+        assert topo["framework"] == "megatron" and topo["framework_version"] == "0.19.2"
+        assert {k: topo[k] for k in sizes} == sizes and topo["position"]["iteration"] == m["step"]
+        assert sum(len(g["keys"]) for g in topo["optimizer"]["param_groups"]) > 0
+        for leaf in m["leaves"]:
+            for spec in map(ShardSpec.from_json, leaf.get("shards", ())):
+                if spec.main:
+                    covered.setdefault(spec.key, []).append(spec)
+    assert any(k.startswith("decoder.layers.") for k in covered)
+    for key, specs in covered.items():
+        total = 1
+        for d in specs[0].global_shape:
+            total *= d
+        pieces = {(s.offset, s.flat) for s in specs}
+        assert len(pieces) == len(specs) and sum(s.numel for s in specs) == total, key
+
+
+def kill_and_resume(runtime, job, layout: list[str], *, nodes=1, ranks_per_node=2, parity=None, lose_node=None):
+    """The reference run, then the same run with rank `world-1` killed after DIE_AT, then the resumed run
+    (after losing node `lose_node`, if given). Returns (reference, first attempt, resumed) metrics."""
+    logs = runtime / "logs"
+    ref = SimulatedCluster(nodes, ranks_per_node, f"{job}r", BUDGET, str(logs / "ref"))
+    cluster = SimulatedCluster(nodes, ranks_per_node, job, BUDGET, str(logs), parity=parity)
+    victim = cluster.world_size - 1
+    with ref, cluster:
+        ref.launch(EXAMPLE + layout + ["--loss-log", str(runtime / "ref.jsonl")])  # beside the first attempt
+        first = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "first.jsonl"),
+                                                        "--die-at", str(DIE_AT), "--die-rank", str(victim)])
+        assert first.returncodes[victim] == -9, cluster.rank_log(first.number, first.first_failure or 0)
+        reference = ref.wait()
+        assert reference.ok, ref.rank_log(reference.number, reference.first_failure)
+        if lose_node is not None:
+            wait_protected(cluster, INTERVAL)
+            cluster.lose_node(lose_node)
+            cluster.start_smp(lose_node)
+        resumed = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "resumed.jsonl")])
+        assert resumed.ok, cluster.rank_log(resumed.number, resumed.first_failure)
+        assert_specs_tile_the_model(manifests(cluster, ITERS // INTERVAL * INTERVAL), cluster.world_size, sizes(layout))
+        source = "peer_reconstruction" if lose_node is not None else "memory"
+        for rank in range(cluster.world_size):
+            if lose_node is None or cluster.node_of(rank) == lose_node:
+                assert f"restore rank={rank} step={INTERVAL} source={source}" in cluster.rank_log(resumed.number, rank)
+    return metrics(runtime / "ref.jsonl"), metrics(runtime / "first.jsonl"), metrics(runtime / "resumed.jsonl")
+
+
+def sizes(layout: list[str]) -> dict:
+    tp = int(layout[layout.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in layout else 1
+    pp = int(layout[layout.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in layout else 1
+    return {"tp": tp, "pp": pp}
+
+
+def assert_exact_resume(reference, first, resumed):
+    assert sorted(reference) == list(range(1, ITERS + 1))
+    assert sorted(first) == list(range(1, DIE_AT + 1))
+    assert min(resumed) == INTERVAL + 1, "did not resume from the snapshot of iteration 3"
+    # bit for bit: the run with snapshots, the killed one and the resumed one all follow the reference
+    assert first == {i: reference[i] for i in first}
+    assert resumed == {i: reference[i] for i in range(INTERVAL + 1, ITERS + 1)}
+
+
+def test_tp2_kill_and_resume_is_exact(runtime, job):
+    assert_exact_resume(*kill_and_resume(runtime, job, ["--tensor-model-parallel-size", "2"]))
+
+
+@pytest.mark.slow
+def test_pp2_kill_and_resume_is_exact(runtime, job):
+    assert_exact_resume(*kill_and_resume(runtime, job, ["--pipeline-model-parallel-size", "2"]))
+
+
+@pytest.mark.slow
+def test_dp2_distributed_optimizer_kill_and_resume_is_exact(runtime, job):
+    assert_exact_resume(*kill_and_resume(runtime, job, ["--use-distributed-optimizer"]))
+
+
+@pytest.mark.slow
+def test_tp2_pp2_kill_then_lost_node_rebuilt_from_parity(runtime, job, monkeypatch):
+    # Two simulated nodes of one TP group each (the pipeline stages): rank 3 is killed, then node 1 is lost
+    # (trainers, SMP, memory); its empty replacement SMP rebuilds the snapshot from parity and the job resumes.
+    monkeypatch.setenv("INMEM_FT_SECRET", "megatron-test-secret-0123456789")
+    assert_exact_resume(*kill_and_resume(runtime, job, ["--tensor-model-parallel-size", "2",
+                                                        "--pipeline-model-parallel-size", "2"],
+                                         nodes=2, ranks_per_node=2, parity=1, lose_node=1))
+
+
+def test_bad_argument_fails_at_start_naming_it(runtime):
+    # Megatron's own parser with our arguments added: it exits before any process group or SMP exists
+    proc = subprocess.run([sys.executable, *EXAMPLE, "--inmem-ft", "--inmem-ft-interval", "0"], cwd=runtime,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "argument --inmem-ft-interval: '0': must be an integer number of iterations >= 1" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,config,message", [
+    (["--inmem-ft-job", "a/b"], None, "argument --inmem-ft-job:"),
+    (["--inmem-ft-config", "missing.json"], None, "argument --inmem-ft-config: [Errno 2]"),
+    (["--inmem-ft-config", "{c}"], {"interval": 10}, 'no "inmem_ft" block'),
+    (["--inmem-ft-config", "{c}"], {"inmem_ft": {"intervall": 10}}, "unknown key(s) ['intervall']"),
+    (["--inmem-ft-config", "{c}"], {"inmem_ft": {"parity": -1}}, "'parity' = -1"),
+])
+def test_bad_argument_values_name_the_argument(tmp_path, capsys, argv, config, message):
+    import argparse
+
+    from inmem_ft.integrations.megatron import add_args
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        add_args(argparse.ArgumentParser()).parse_args([a.format(c=path) for a in argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_disk_tier_keys_point_at_megatrons_save(tmp_path):
+    import argparse
+
+    from inmem_ft.errors import ConfigError
+    from inmem_ft.integrations.megatron import add_args, block_from_args
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"inmem_ft": {"interval": 5, "persist_dir": "/x", "persist_every": 2}}))
+    args = add_args(argparse.ArgumentParser()).parse_args(["--inmem-ft", "--inmem-ft-config", str(path)])
+    with pytest.raises(ConfigError, match="--save/--save-interval"):
+        block_from_args(args)
+    path.write_text(json.dumps({"inmem_ft": {"interval": 5, "memory_budget": "1GiB"}}))
+    args = add_args(argparse.ArgumentParser()).parse_args(["--inmem-ft-config", str(path), "--inmem-ft-interval", "7"])
+    assert block_from_args(args).interval == 7 and block_from_args(args).memory_budget == 1 << 30
