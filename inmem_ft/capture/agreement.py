@@ -50,3 +50,10 @@ class Agreement:
             if self.rank in ranks:
                 mine = g
         return mine
+
+
+def all_gather_bytes(share: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every group member's equal-length uint8 `share`, in group-rank order."""
+    out = torch.empty(dist.get_world_size(group) * share.numel(), dtype=share.dtype)
+    dist.all_gather(list(out.view(-1, share.numel())), share, group=group)  # straight into one buffer
+    return out

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt, UnknownFormat
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
+from .agreement import all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
 NO_STEP = -1
@@ -207,7 +208,8 @@ def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_
     """The whole replicated region of `step` (private memory), from this rank's share in `data` and its
     data-parallel peers' shares. Collective over the data-parallel group (a tiny exchange of where each
     share lives; `data_off`: where `data` starts in this rank's slot): shares held by this node's SMP are
-    copied straight out of their slots, only shares on other nodes travel, read through the local SMP."""
+    copied straight out of their slots, only shares on other nodes travel, read through the local SMP. SMPs
+    not linked to their peers (no --peers) cannot read other nodes: the group then all-gathers its shares."""
     rep = manifest.get("replicated")
     if not rep:
         return None
@@ -220,10 +222,17 @@ def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_
     if snap.dp_size == 1:
         return out
     peers = dist.get_process_group_ranks(snap._dp_gloo)
-    where = torch.tensor([snap.config.node, data_off + rep["o"]], dtype=torch.int64)
+    linked = snap._smp.call("list", rank=snap.rank).get("linked", False)
+    where = torch.tensor([snap.config.node, data_off + rep["o"], int(linked)], dtype=torch.int64)
     found = [torch.empty_like(where) for _ in peers]
     dist.all_gather(found, where, group=snap._dp_gloo)
-    for dp_rank, (rank, (node, offset)) in enumerate(zip(peers, (t.tolist() for t in found))):
+    found = [t.tolist() for t in found]
+    if len({node for node, _, _ in found}) > 1 and not all(ok for _, _, ok in found):
+        _, _, chunk = layout.share_bounds(rep["total"], snap.dp_rank, snap.dp_size)
+        share = torch.zeros(chunk, dtype=torch.uint8)  # the last share's padding stays zero
+        share[: rep["hi"] - rep["lo"]] = out[rep["lo"]: rep["hi"]]
+        return all_gather_bytes(share, snap._dp_gloo)[: rep["total"]]
+    for dp_rank, (rank, (node, offset, _)) in enumerate(zip(peers, found)):
         if rank == snap.rank:
             continue
         lo, hi, _ = layout.share_bounds(rep["total"], dp_rank, snap.dp_size)

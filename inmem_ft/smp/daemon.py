@@ -274,7 +274,8 @@ class SMP:
             if slot is not None and slot.committed_step() is not None:
                 out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
         return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step,
-                "holds_any": bool(self.committed())}
+                "holds_any": bool(self.committed()),
+                "linked": self.peers is not None and len(self.peers.addresses) > 1}
 
     def op_complete(self, msg, conn_id):
         self._record_complete(int(msg["step"]))
