@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..config import SnapshotConfig
 from ..errors import BudgetExceeded, InmemFTError
 from ..smp.client import SMPClient
-from ..smp.segments import Segment
+from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology
 from ..snapshot.tree import flatten
@@ -129,7 +129,7 @@ class Snapshotter:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
                                    local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
-            target = self._attach(reply["segment"])
+            target = self._attach(reply["segment"], reply["inode"])
             if not overlap:
                 target.for_writing()  # else the commit thread prefaults, off the training path
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
@@ -254,9 +254,14 @@ class Snapshotter:
             if self.config.on_error == "raise":
                 raise
 
-    def _attach(self, name: str) -> _Attached:
-        if name not in self._attached:
-            # A resized slot gets a new name; the old mapping is dead weight.
+    def _attach(self, name: str, inode: int | None = None) -> _Attached:
+        """The mapping of segment `name` whose inode is `inode` (default: the one now under that name). A
+        restarted SMP may have replaced the segment under the same name: a stale mapping is dropped."""
+        if inode is None:
+            inode = os.stat(path_of(name)).st_ino
+        cached = self._attached.get(name)
+        if cached is None or cached.segment.inode != inode:
+            # A resized or replaced slot: the old mapping is dead weight (or, written, a lost snapshot).
             for old in [n for n in self._attached if n.rsplit(".g", 1)[0] == name.rsplit(".g", 1)[0]]:
                 self._attached.pop(old).close()
             self._attached[name] = _Attached(name)

@@ -194,7 +194,8 @@ class SMP:
             slot = self._allocate(rank, index, size)
         seg.Header(seg.WRITING, step, man_len, seg.data_offset(man_len), data_len).write(slot.segment.buf)
         self.writers[rank] = (index, conn_id)
-        return {"segment": slot.segment.name, "data_off": seg.data_offset(man_len), "slot": index}
+        return {"segment": slot.segment.name, "inode": slot.segment.inode, "data_off": seg.data_offset(man_len),
+                "slot": index}
 
     def _pins(self, slots: list[Slot | None], keep: int | None) -> set:
         """Steps a begin must not overwrite: the job's complete step and, with EC, the newest protected one
