@@ -1,11 +1,18 @@
 """Hardening (issue 11): SMP restarts, corruption, hostile control frames and EC lag, against real SMP
 daemons, real sockets and real /dev/shm."""
+import json
+import os
 import signal
+import socket
+import struct
 
+import hypothesis
+import hypothesis.strategies as st
 import torch
 
 from inmem_ft import SnapshotConfig, Snapshotter
-from inmem_ft.smp import control, paths
+from inmem_ft.smp import control, paths, protocol
+from inmem_ft.smp.segments import names_with_prefix, path_of
 
 
 def state(seed=0, n=1000):
@@ -44,3 +51,87 @@ def test_smp_killed_mid_write_then_restarted_every_later_snapshot_commits(job):
         assert restored["step"] == 6 and torch.equal(restored["w"], state(6)["w"])
     finally:
         control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+# ---- the control socket survives any frame ---------------------------------------------------------------
+def _frame(raw: bytes) -> bytes:
+    return struct.pack(">I", len(raw)) + raw
+
+
+HOSTILE = [
+    b"{not json", b"\xff\xfe{}", b'{"op": "\xc3\x28"}', b"[" * 100_000 + b"]" * 100_000,
+    b'{"op": "begin", "rank": NaN, "step": 1, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": Infinity, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": 1e999, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "list", "rank": ' + b"9" * 5000 + b"}", b"[1, 2]", b'"ping"', b"null", b"{}",
+    b'{"op": ["ping"]}', b'{"op": {"a": 1}}', b'{"op": "nope"}', b'{"op": "__init__"}',
+    b'{"op": "begin", "rank": -1, "step": 1, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": -5, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": 18446744073709551616, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": "0", "step": 1, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": true, "step": 1, "manifest_len": 10, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": 1, "manifest_len": -4096, "data_len": 10}',
+    b'{"op": "begin", "rank": 0, "step": 1, "manifest_len": 10, "data_len": 1125899906842624000}',
+    b'{"op": "begin", "rank": 0, "step": 1, "manifest_len": 10, "data_len": 10, "keep_step": "x"}',
+    b'{"op": "begin", "rank": 0, "step": 1, "manifest_len": 10, "data_len": 10, "local_ranks": -3}',
+    b'{"op": "commit", "rank": 0, "step": 1.5}', b'{"op": "complete", "step": [3]}',
+    b'{"op": "restored", "rank": 0, "step": -1}', b'{"op": "read", "node": -1, "rank": 0, "step": 1, '
+    b'"offset": 0, "length": 10}', b'{"op": "read", "node": 0, "rank": 0, "step": 1, "offset": -1, "length": 9}',
+    b'{"op": "read", "node": 0, "rank": 0, "step": 1, "offset": 0, "length": 1099511627776}',
+    b'{"op": "catalog", "step": "all"}', b'{"op": "pull", "rank": null}',
+]
+OPS = ["ping", "begin", "commit", "abort", "list", "complete", "restored", "status", "catalog", "read", "pull"]
+
+
+def _ask(sock, raw: bytes) -> dict:
+    sock.sendall(_frame(raw))
+    return protocol.recv(sock)
+
+
+@hypothesis.settings(max_examples=300, deadline=None, database=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(op=st.sampled_from(OPS), extra=st.dictionaries(
+    st.sampled_from(["rank", "step", "keep_step", "manifest_len", "data_len", "local_ranks", "node", "offset",
+                     "length", "reserve", "wipe"]),
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(0, 4096),
+              st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+              st.lists(st.integers(), max_size=3))))
+def _fuzz(sock, op, extra):
+    reply = _ask(sock, json.dumps({"op": op, **extra}).encode())
+    assert reply["ok"] or reply["code"] in {"bad_request", "budget", "corrupt", "lost", "error"}, reply
+    assert reply["ok"] or reply["code"] != "error", reply  # "error" is a bug in the daemon
+
+
+def test_control_socket_survives_any_frame(job):
+    budget = 64 << 20
+    control.start(job, 0, budget)
+    socket_path = paths.default_socket(job, 0)
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(30)
+            sock.connect(socket_path)
+            for raw in HOSTILE:
+                reply = _ask(sock, raw)
+                assert not reply["ok"] and reply["code"] == "bad_request", (raw[:80], reply)
+            _fuzz(sock)
+            # A frame longer than any message: refused, and the connection closed (it cannot be framed).
+            sock.sendall(struct.pack(">I", protocol.MAX_MESSAGE + 1))
+            assert protocol.recv(sock)["code"] == "bad_request"
+        # Every segment a request made is one adoption parses, inside the budget, and one wipe removes.
+        names = [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if not n.endswith("complete")]
+        assert all(paths.parse_segment_name(n) for n in names), names
+        assert sum(os.path.getsize(path_of(n)) for n in names) <= budget
+        assert control.call(socket_path, "status")["used"] <= budget
+        # The SMP still serves a real trainer.
+        control.call(socket_path, "restored", rank=0, step=None)
+        with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+            snap.save(1, state(1))
+            snap.wait()
+            assert snap.metrics.snapshots == 1 and snap.restore()["step"] == 1
+        log = open(paths.default_log(job, 0)).read()
+        assert "Traceback" not in log and "event=request_failed" not in log
+        control.stop(socket_path, wipe=True)
+        assert names_with_prefix(paths.segment_prefix(job, 0)) == []
+    finally:
+        if control.ping(socket_path):
+            control.stop(socket_path, wipe=True)

@@ -21,7 +21,7 @@ from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, U
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
-from . import paths, protocol
+from . import fields, paths, protocol
 from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
 log = logging.getLogger("inmem_ft.smp")
@@ -164,6 +164,8 @@ class SMP:
     def handle(self, msg: dict, conn_id: int) -> tuple[dict, list]:
         """(reply, raw pieces sent after it). Cross-node operations run outside the lock: they wait on peers."""
         op = msg.get("op")
+        if not isinstance(op, str):
+            raise RequestError("bad_request", f"field 'op' must be a string, got {type(op).__name__}")
         if self.reads is not None and op in self.reads.OPS:
             return self.reads.handle(op, msg)
         fn = getattr(self, f"op_{op}", None)
@@ -172,14 +174,33 @@ class SMP:
         with self.lock:
             return fn(msg, conn_id), []
 
+    def answer(self, msg: dict, conn_id: int) -> tuple[dict, list]:
+        """handle(), with every failure turned into an error reply: no request takes the daemon down or leaves
+        a traceback in its log."""
+        try:
+            reply, pieces = self.handle(msg, conn_id)
+            return {"ok": True, **reply}, pieces
+        except RequestError as e:
+            return {"ok": False, "code": e.code, "error": str(e)}, []
+        except InmemFTError as e:
+            return {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}, []
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            return {"ok": False, "code": "bad_request", "error": f"malformed request: {type(e).__name__}: {e}"}, []
+        except Exception as e:  # a bug: say it in one line, keep serving the other trainers
+            log.error("smp node=%d event=request_failed op=%.40r reason=%s: %s", self.node, msg.get("op"),
+                      type(e).__name__, e)
+            return {"ok": False, "code": "error", "error": f"the SMP failed on this request: {type(e).__name__}: "
+                                                          f"{e}; see its log"}, []
+
     def op_ping(self, msg, conn_id):
         return {"job": self.job, "node": self.node, "pid": os.getpid()}
 
     def op_begin(self, msg, conn_id):
-        rank, step, keep = int(msg["rank"]), int(msg["step"]), msg.get("keep_step")
-        man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
+        rank, step, keep = fields.rank(msg), fields.step(msg), fields.step(msg, "keep_step", optional=True)
+        man_len, data_len = fields.size(msg, "manifest_len"), fields.size(msg, "data_len")
         size = seg.slot_size(man_len, data_len)
-        self.local_ranks = max(self.local_ranks, int(msg.get("local_ranks") or 0))
+        local_ranks = fields.integer(msg, "local_ranks", fields.MAX_RANK, optional=True)
+        self.local_ranks = max(self.local_ranks, local_ranks or 0)
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
         self.moved.pop(rank, None)  # it runs here (again)
         pins = self._pins(slots, keep)
@@ -226,7 +247,7 @@ class SMP:
         return min(range(SLOTS_PER_RANK), key=rank_of)
 
     def op_commit(self, msg, conn_id):
-        rank, step = int(msg["rank"]), int(msg["step"])
+        rank, step = fields.rank(msg), fields.step(msg)
         index, _ = self.writers.get(rank, (None, None))
         if index is None:
             raise RequestError("bad_request", f"rank {rank} commits step {step} without a begin")
@@ -248,7 +269,7 @@ class SMP:
         return {}
 
     def op_abort(self, msg, conn_id):
-        self._drop_writer(int(msg["rank"]), "aborted by trainer")
+        self._drop_writer(fields.rank(msg), "aborted by trainer")
         return {}
 
     def _drop_writer(self, rank: int, why: str) -> None:
@@ -261,7 +282,7 @@ class SMP:
                         header.step if header else "?", why)
 
     def op_list(self, msg, conn_id):
-        rank = int(msg["rank"])
+        rank = fields.rank(msg)
         if self.protector is not None:
             # A replacement node answers once it has rebuilt its ranks' slots from the group.
             if not self.cond.wait_for(self.protector.rebuild_done.is_set, REBUILD_WAIT_S):
@@ -277,7 +298,7 @@ class SMP:
                 "holds_any": bool(self.committed())}
 
     def op_complete(self, msg, conn_id):
-        self._record_complete(int(msg["step"]))
+        self._record_complete(fields.step(msg))
         self._mark_moved(self.complete_step)
         if self.protector is None:
             self.release_moved(self.complete_step)
@@ -373,14 +394,14 @@ class SMP:
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
-        rank, step = int(msg["rank"]), msg.get("step")
+        rank, step = fields.rank(msg), fields.step(msg, optional=True)
         for slot in self.slots.get(rank, []):
             committed = slot.committed_step() if slot is not None else None
             if committed is not None and (step is None or committed > step):
                 slot.blank()
                 log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
                          rank, committed, "scratch" if step is None else f"step {step}")
-        self._record_complete(None if step is None else int(step))
+        self._record_complete(step)
         if self.protector is not None:
             self.protector.restored(step)
         return {}
@@ -442,17 +463,14 @@ class SMP:
                 conn_id = id(self)
                 try:
                     while True:
-                        msg = protocol.recv(self.request)
-                        pieces = []
                         try:
-                            reply, pieces = smp.handle(msg, conn_id)
-                            reply = {"ok": True, **reply}
-                        except RequestError as e:
-                            reply = {"ok": False, "code": e.code, "error": str(e)}
-                        except InmemFTError as e:
-                            reply = {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}
-                        except (KeyError, TypeError, ValueError) as e:
-                            reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
+                            msg = protocol.recv(self.request)
+                        except protocol.BadMessage as e:
+                            protocol.send(self.request, {"ok": False, "code": "bad_request", "error": str(e)})
+                            if e.framed:
+                                continue
+                            return  # the rest of the stream cannot be framed
+                        reply, pieces = smp.answer(msg, conn_id)
                         protocol.send(self.request, reply, pieces)
                         if smp.stopping:
                             threading.Thread(target=smp.server.shutdown, daemon=True).start()
