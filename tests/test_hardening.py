@@ -5,14 +5,18 @@ import os
 import signal
 import socket
 import struct
+import time
 
 import hypothesis
 import hypothesis.strategies as st
+import pytest
 import torch
 
 from inmem_ft import SnapshotConfig, Snapshotter
+from inmem_ft.capture.restore import NoUsableSnapshot
 from inmem_ft.smp import control, paths, protocol
-from inmem_ft.smp.segments import names_with_prefix, path_of
+from inmem_ft.smp.segments import Segment, names_with_prefix, path_of
+from inmem_ft.snapshot import segment as seg
 
 
 def state(seed=0, n=1000):
@@ -135,3 +139,63 @@ def test_control_socket_survives_any_frame(job):
     finally:
         if control.ping(socket_path):
             control.stop(socket_path, wipe=True)
+
+
+# ---- every detected corruption is said -------------------------------------------------------------------
+def _flip_header(name: str) -> None:
+    fd = os.open(path_of(name), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, 16)  # inside the step field: the header checksum no longer matches
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), 16)
+    finally:
+        os.close(fd)
+
+
+def _slots(job):
+    return [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if paths.parse_segment_name(n)]
+
+
+def _log_when(job, text, timeout=10):
+    deadline = time.monotonic() + timeout  # a killed SMP's replacement logs adoption before it answers
+    while text not in open(paths.default_log(job, 0)).read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return open(paths.default_log(job, 0)).read()
+
+
+def test_both_headers_corrupted_is_said_and_restore_refuses_to_start_over(job):
+    control.start(job, 0, 64 << 20)
+    try:
+        with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+            snap.save(1, state(1))
+            snap.save(2, state(2))
+        assert len(_slots(job)) == 2
+        for name in _slots(job):
+            _flip_header(name)
+        with pytest.raises(NoUsableSnapshot, match="completed step 2"):
+            Snapshotter(SnapshotConfig(job=job)).restore()
+        assert _log_when(job, "event=corrupt").count("event=corrupt") == 2
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+def test_restarted_smp_says_corrupt_slots_and_not_blank_ones(job):
+    """One committed slot, one reserved and never written: after a kill -9, the restarted SMP reports the
+    corrupted header as corrupt, the blank slot as empty (not torn), and restore fails instead of starting
+    over."""
+    proc = control.start(job, 0, 64 << 20)
+    try:
+        with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+            snap.save(1, state(1))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        committed = [n for n in _slots(job) if seg.Header.read(Segment(n).buf) is not None]
+        assert len(committed) == 1 and len(_slots(job)) == 2
+        _flip_header(committed[0])
+        control.start(job, 0, 64 << 20)
+        log = _log_when(job, "event=ready")
+        assert "event=corrupt" in log and "event=empty" in log
+        assert "event=torn" not in log and "never committed" not in log
+        with pytest.raises(NoUsableSnapshot, match="completed step 1"):
+            Snapshotter(SnapshotConfig(job=job)).restore()
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)

@@ -145,6 +145,12 @@ class SMP:
                 if index >= SLOTS_PER_RANK or slots[index] is not None:
                     raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
                 segment = Segment(name)
+                if seg.is_blank(segment.buf):
+                    log.info("smp node=%d event=empty segment=%s reason=slot reserved or discarded, holds "
+                             "nothing", self.node, name)
+                    segment.close()
+                    unlink(name)
+                    continue
                 header, _ = seg.verify(segment.buf, name)
             except UnknownFormat as e:
                 # Another release's snapshot: never ours to load, and never ours to delete.
@@ -152,13 +158,32 @@ class SMP:
                 segment.close()
                 continue
             except (SnapshotCorrupt, ValueError, OSError) as e:
-                log.warning("smp node=%d event=discard segment=%s reason=%s", self.node, name, e)
+                log.warning("smp node=%d event=%s segment=%s reason=%s: slot discarded", self.node,
+                            self._defect(segment), name, e)
                 if segment is not None:
                     segment.close()
                 unlink(name)
                 continue
             slots[index] = Slot(segment, generation)
             log.info("smp node=%d event=adopt rank=%d slot=%d step=%d", self.node, rank, index, header.step)
+
+    @staticmethod
+    def _defect(segment: Segment | None) -> str:
+        """What an unusable segment is, for its log line: torn (a write that never committed), corrupt
+        (anything else that fails a check), discard (a leftover that was never opened)."""
+        if segment is None:
+            return "discard"
+        header = seg.Header.read(segment.buf)
+        return "torn" if header is not None and header.state == seg.WRITING else "corrupt"
+
+    def _discard_corrupt(self, rank: int) -> None:
+        """Say and discard every slot of `rank` whose header fails its checksum (flipped bits in memory): it
+        must not just vanish from `list`."""
+        for i, slot in enumerate(self.slots.get(rank, [])):
+            if slot is not None and slot.header is None and not seg.is_blank(slot.segment.buf):
+                log.warning("smp node=%d event=corrupt rank=%d slot=%d segment=%s reason=slot header fails its "
+                            "checksum: slot discarded", self.node, rank, i, slot.segment.name)
+                slot.blank()
 
     # ---- requests ---------------------------------------------------------------------------------------
     def handle(self, msg: dict, conn_id: int) -> tuple[dict, list]:
@@ -290,6 +315,7 @@ class SMP:
                                            f"after {REBUILD_WAIT_S:.0f} s; see its log, then restart the job")
             if self.protector.rebuild_error:
                 raise RequestError("lost", self.protector.rebuild_error)
+        self._discard_corrupt(rank)
         out = []
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
