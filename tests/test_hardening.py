@@ -12,11 +12,16 @@ import hypothesis.strategies as st
 import pytest
 import torch
 
+from conftest import wait_protected
+
 from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.restore import NoUsableSnapshot
+from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control, paths, protocol
+from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment, names_with_prefix, path_of
 from inmem_ft.snapshot import segment as seg
+from inmem_ft.snapshot.checksum import checksum, to_hex
 
 
 def state(seed=0, n=1000):
@@ -199,3 +204,62 @@ def test_restarted_smp_says_corrupt_slots_and_not_blank_ones(job):
             Snapshotter(SnapshotConfig(job=job)).restore()
     finally:
         control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+# ---- erasure-coding lag never stalls training ------------------------------------------------------------
+def _write_rank(socket_path, rank, step, keep):
+    """Commit `step` of `rank` by hand (a trainer of another node), tiny random bytes."""
+    data = os.urandom(4096 + 64 * step)
+    manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": 2,
+                "leaves": [{"o": 0, "n": len(data), "h": to_hex(checksum(data)), "dt": "uint8", "sh": [len(data)]}]}
+    raw = seg.encode_manifest(manifest)
+    client = SMPClient(socket_path)
+    try:
+        reply = client.call("begin", rank=rank, step=step, manifest_len=len(raw), data_len=len(data),
+                            keep_step=keep, reserve=keep is None)
+        with open(path_of(reply["segment"]), "r+b") as f:
+            f.seek(seg.HEADER_SIZE)
+            f.write(raw)
+            f.seek(reply["data_off"])
+            f.write(data)
+        client.call("commit", rank=rank, step=step)
+        client.call("complete", step=step)
+    finally:
+        client.close()
+
+
+def test_erasure_coding_lag_skips_a_snapshot_and_says_so(job, runtime, monkeypatch):
+    """Node 1 of a 2-node EC group freezes (SIGSTOP) while step 2 is protected: the trainer on node 0 holds
+    step 1 (protected) and step 2 (complete) and must neither wait nor overwrite either: step 3 is skipped,
+    said and counted. Once protecting step 2 has failed, the older protected step is given up, said so, and
+    snapshots commit again."""
+    monkeypatch.setenv("INMEM_FT_SECRET", "test-secret-" + "y" * 20)
+    with SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs"), parity=1) as cluster:
+        snap = Snapshotter(SnapshotConfig(job=job, interval=1))
+        snap.save(1, state(1))
+        snap.wait()
+        _write_rank(cluster.socket_path(1), 1, 1, None)
+        wait_protected(cluster, 1)
+        frozen = cluster.smps[1]
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            snap.save(2, state(2))  # complete on node 0; its protection waits on node 1
+            snap.wait()
+            snap.save(3, state(3))
+            snap.wait()
+            assert snap.metrics.skipped == 1 and snap.metrics.failures == 0 and snap.metrics.snapshots == 2
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        log = open(cluster.smp_log(0)).read()
+        assert "event=skipped rank=0 step=3 reason=erasure_coding_lag" in log
+        # Node 1 never held step 2, so protecting it fails; then the protected step 1 is given up, said so.
+        deadline = time.monotonic() + 120
+        while "event=protect_failed step=2" not in open(cluster.smp_log(0)).read():
+            assert time.monotonic() < deadline, "protecting step 2 did not fail after node 1 resumed"
+            time.sleep(0.1)
+        snap.save(4, state(4))
+        snap.wait()
+        snap.close()
+        assert snap.metrics.snapshots == 3 and snap.metrics.skipped == 1 and snap.metrics.failures == 0
+        assert "event=unprotect rank=0 step=1" in open(cluster.smp_log(0)).read()
+        assert [s["step"] for s in control.call(cluster.socket_path(0), "list", rank=0)["slots"]] == [4, 2]

@@ -44,6 +44,11 @@ class Metrics:
     stalls_s: list[float] = field(default_factory=list)
     flushes: int = 0
     last_flush_s: float = 0.0
+    skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
+
+
+class _Skipped(InmemFTError):
+    """The SMP declined this snapshot (reason in the message): no slot was free; not a failure."""
 
 
 class _Attached:
@@ -129,6 +134,8 @@ class Snapshotter:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
                                    local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+            if "skipped" in reply:
+                raise _Skipped(reply["skipped"])
             target = self._attach(reply["segment"], reply["inode"])
             if not overlap:
                 target.for_writing()  # else the commit thread prefaults, off the training path
@@ -141,6 +148,9 @@ class Snapshotter:
             error = sys.exc_info()[1]
         except InmemFTError as e:
             error = e
+        if isinstance(error, _Skipped):
+            self.metrics.skipped += 1
+            log.warning("snapshot rank=%d step=%d event=skipped reason=%s", self.rank, step, error)
         stall = time.perf_counter() - t0
         m = self.metrics
         m.last_stall_s, m.last_bytes = stall, plan.data_len
@@ -200,6 +210,8 @@ class Snapshotter:
         self.metrics.last_commit_s = time.perf_counter() - t0
         if error is None and agreed == step and self.disk is not None and self.disk.due(step):
             self._flush(step, target, reply["data_off"], plan)
+        if isinstance(error, _Skipped):
+            return  # said in save(); the agreement above kept the step from counting as complete anywhere
         if error is not None:
             self.metrics.failures += 1
             log.error("snapshot rank=%d step=%d event=failed: %s", self.rank, step, error)

@@ -26,9 +26,6 @@ from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
-# How long a begin waits for the group to protect the complete step before it overwrites the older
-# protected one (keeping the complete step safe locally matters more than surviving a node loss).
-PROTECT_WAIT_S = 60.0
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
 
@@ -228,7 +225,11 @@ class SMP:
         self.local_ranks = max(self.local_ranks, local_ranks or 0)
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
         self.moved.pop(rank, None)  # it runs here (again)
-        pins = self._pins(slots, keep)
+        pins = self._pins(rank, step, slots, keep)
+        if pins is None:
+            return {"skipped": (f"erasure_coding_lag: both slots of rank {rank} hold steps that must survive (step "
+                                f"{keep}, complete, is not protected yet; step {self.protector.protected} is): "
+                                f"step {step} is not snapshotted")}
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
                 if slots[i] is None or slots[i].segment.size < size:
@@ -243,25 +244,27 @@ class SMP:
         return {"segment": slot.segment.name, "inode": slot.segment.inode, "data_off": seg.data_offset(man_len),
                 "slot": index}
 
-    def _pins(self, slots: list[Slot | None], keep: int | None) -> set:
+    def _pins(self, rank: int, step: int, slots: list[Slot | None], keep: int | None) -> set | None:
         """Steps a begin must not overwrite: the job's complete step and, with EC, the newest protected one
-        (survivors rebuild a lost node from it). When both fill every slot, wait for the group to protect
-        the complete step, which frees the older one; past PROTECT_WAIT_S give up the protected pin."""
+        (survivors rebuild a lost node from it). None: both fill every slot while the group is still
+        protecting the complete step; the begin then skips this snapshot rather than make the training
+        thread wait for erasure coding. Once protecting the complete step failed, the older protected step
+        is given up (keeping the complete step safe locally matters more than surviving a node loss)."""
         if self.protector is None:
             return {keep}
-        deadline = time.monotonic() + PROTECT_WAIT_S
-        while True:
-            pins = {keep, self.protector.protected}
-            held = {s.committed_step() for s in slots if s is not None}
-            if None in held or len(held) < SLOTS_PER_RANK or not held <= pins:
-                return pins
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("smp node=%d event=unprotect step=%s reason=step %s was not protected within %.0f s: "
-                            "overwriting the older protected step; a node loss now falls to the next tier",
-                            self.node, self.protector.protected, keep, PROTECT_WAIT_S)
-                return {keep}
-            self.cond.wait(left)
+        protected = self.protector.protected
+        held = {s.committed_step() for s in slots if s is not None}
+        if None in held or len(held) < SLOTS_PER_RANK or not held <= {keep, protected}:
+            return {keep, protected}
+        if self.protector.failed != keep:
+            log.warning("smp node=%d event=skipped rank=%d step=%d reason=erasure_coding_lag: step %s is complete "
+                        "but not yet protected, step %s is protected; both slots are pinned", self.node, rank, step,
+                        keep, protected)
+            return None
+        log.warning("smp node=%d event=unprotect rank=%d step=%s reason=protecting complete step %s failed (see "
+                    "event=protect_failed): overwriting the older protected step; a node loss now falls to the "
+                    "next tier", self.node, rank, protected, keep)
+        return {keep}
 
     @staticmethod
     def _choose(slots: list[Slot | None], pins: set) -> int:
