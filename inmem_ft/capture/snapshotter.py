@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..config import SnapshotConfig
 from ..errors import BudgetExceeded, InmemFTError
 from ..smp.client import SMPClient
-from ..smp.segments import Segment
+from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology
 from ..snapshot.tree import flatten
@@ -44,6 +44,11 @@ class Metrics:
     stalls_s: list[float] = field(default_factory=list)
     flushes: int = 0
     last_flush_s: float = 0.0
+    skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
+
+
+class _Skipped(InmemFTError):
+    """The SMP declined this snapshot (reason in the message): no slot was free; not a failure."""
 
 
 class _Attached:
@@ -129,7 +134,9 @@ class Snapshotter:
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
                                    local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
-            target = self._attach(reply["segment"])
+            if "skipped" in reply:
+                raise _Skipped(reply["skipped"])
+            target = self._attach(reply["segment"], reply["inode"])
             if not overlap:
                 target.for_writing()  # else the commit thread prefaults, off the training path
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
@@ -141,6 +148,9 @@ class Snapshotter:
             error = sys.exc_info()[1]
         except InmemFTError as e:
             error = e
+        if isinstance(error, _Skipped):
+            self.metrics.skipped += 1
+            log.warning("snapshot rank=%d step=%d event=skipped reason=%s", self.rank, step, error)
         stall = time.perf_counter() - t0
         m = self.metrics
         m.last_stall_s, m.last_bytes = stall, plan.data_len
@@ -200,6 +210,8 @@ class Snapshotter:
         self.metrics.last_commit_s = time.perf_counter() - t0
         if error is None and agreed == step and self.disk is not None and self.disk.due(step):
             self._flush(step, target, reply["data_off"], plan)
+        if isinstance(error, _Skipped):
+            return  # said in save(); the agreement above kept the step from counting as complete anywhere
         if error is not None:
             self.metrics.failures += 1
             log.error("snapshot rank=%d step=%d event=failed: %s", self.rank, step, error)
@@ -254,9 +266,14 @@ class Snapshotter:
             if self.config.on_error == "raise":
                 raise
 
-    def _attach(self, name: str) -> _Attached:
-        if name not in self._attached:
-            # A resized slot gets a new name; the old mapping is dead weight.
+    def _attach(self, name: str, inode: int | None = None) -> _Attached:
+        """The mapping of segment `name` whose inode is `inode` (default: the one now under that name). A
+        restarted SMP may have replaced the segment under the same name: a stale mapping is dropped."""
+        if inode is None:
+            inode = os.stat(path_of(name)).st_ino
+        cached = self._attached.get(name)
+        if cached is None or cached.segment.inode != inode:
+            # A resized or replaced slot: the old mapping is dead weight (or, written, a lost snapshot).
             for old in [n for n in self._attached if n.rsplit(".g", 1)[0] == name.rsplit(".g", 1)[0]]:
                 self._attached.pop(old).close()
             self._attached[name] = _Attached(name)

@@ -171,7 +171,6 @@ class Protector:
             for old in [s for s in self.sets if s < step]:
                 self.sets.pop(old).drop()
             self.smp.release_moved(step)
-            self.smp.cond.notify_all()  # a begin may be waiting for the older protected slot to be released
         log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
                  self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
 

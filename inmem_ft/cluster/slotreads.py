@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
+from ..smp import fields
 from ..smp.protocol import MAX_PAYLOAD, READ_MAX
 from ..snapshot import segment as seg
 from . import nodedata
@@ -89,7 +90,7 @@ class SlotReads:
         """Every node's committed slots (of `step`, default all): {"entries": [...], "unreachable": [{node,
         error}]}, the entries' manifests concatenated after the reply. Each SMP answers for its own slots; a
         lost node's come from parity (source "parity")."""
-        step = _opt_int(msg.get("step"))
+        step = fields.step(msg, optional=True)
         entries, manifests, unreachable = [], [], []
         with ThreadPoolExecutor(min(_FAN_OUT, len(self.peers.nodes)), thread_name_prefix="inmem_ft-catalog") as pool:
             asked = {node: pool.submit(self._listing, node, step=step) for node in self.peers.nodes}
@@ -107,10 +108,8 @@ class SlotReads:
     def op_read(self, msg):
         """Bytes [offset, offset+length) of node `node`'s committed slot of `rank` at `step`, at most READ_MAX;
         {"source": "memory" | "parity"} and the bytes after it."""
-        node, rank, step = int(msg["node"]), int(msg["rank"]), int(msg["step"])
-        off, n = int(msg["offset"]), int(msg["length"])
-        if not 0 <= n <= READ_MAX or off < 0:
-            raise ValueError(f"read of {n} bytes at {off}: give 0 <= length <= {READ_MAX} and offset >= 0")
+        node, rank, step = fields.integer(msg, "node", fields.MAX_NODE), fields.rank(msg), fields.step(msg)
+        off, n = fields.size(msg, "offset"), fields.integer(msg, "length", READ_MAX)
         data, source = self._read(node, rank, step, off, np.empty(n, dtype=np.uint8))
         return {"source": source}, [data]
 
@@ -118,7 +117,7 @@ class SlotReads:
         """Copy `rank`'s newest committed slots (two steps at most) from other nodes, or decode them from parity,
         into local slots, unless this node holds that step already: {"slots": [{segment, step, source,
         from_node}]}, newest first; a trainer then restores from local shared memory as usual."""
-        rank = int(msg["rank"])
+        rank = fields.rank(msg)
         best: dict[int, dict] = {}
         for node in self.peers.nodes:
             if node == self.node:

@@ -21,14 +21,11 @@ from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, U
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
-from . import paths, protocol, spill
+from . import fields, paths, protocol, spill
 from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
-# How long a begin waits for the group to protect the complete step before it overwrites the older
-# protected one (keeping the complete step safe locally matters more than surviving a node loss).
-PROTECT_WAIT_S = 60.0
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
 
@@ -146,6 +143,12 @@ class SMP:
                 if index >= SLOTS_PER_RANK or slots[index] is not None:
                     raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
                 segment = Segment(name)
+                if seg.is_blank(segment.buf):
+                    log.info("smp node=%d event=empty segment=%s reason=slot reserved or discarded, holds "
+                             "nothing", self.node, name)
+                    segment.close()
+                    unlink(name)
+                    continue
                 header, _ = seg.verify(segment.buf, name)
             except UnknownFormat as e:
                 # Another release's snapshot: never ours to load, and never ours to delete.
@@ -153,7 +156,8 @@ class SMP:
                 segment.close()
                 continue
             except (SnapshotCorrupt, ValueError, OSError) as e:
-                log.warning("smp node=%d event=discard segment=%s reason=%s", self.node, name, e)
+                log.warning("smp node=%d event=%s segment=%s reason=%s: slot discarded", self.node,
+                            self._defect(segment), name, e)
                 if segment is not None:
                     segment.close()
                 unlink(name)
@@ -161,10 +165,30 @@ class SMP:
             slots[index] = Slot(segment, generation)
             log.info("smp node=%d event=adopt rank=%d slot=%d step=%d", self.node, rank, index, header.step)
 
+    @staticmethod
+    def _defect(segment: Segment | None) -> str:
+        """What an unusable segment is, for its log line: torn (a write that never committed), corrupt
+        (anything else that fails a check), discard (a leftover that was never opened)."""
+        if segment is None:
+            return "discard"
+        header = seg.Header.read(segment.buf)
+        return "torn" if header is not None and header.state == seg.WRITING else "corrupt"
+
+    def _discard_corrupt(self, rank: int) -> None:
+        """Say and discard every slot of `rank` whose header fails its checksum (flipped bits in memory): it
+        must not just vanish from `list`."""
+        for i, slot in enumerate(self.slots.get(rank, [])):
+            if slot is not None and slot.header is None and not seg.is_blank(slot.segment.buf):
+                log.warning("smp node=%d event=corrupt rank=%d slot=%d segment=%s reason=slot header fails its "
+                            "checksum: slot discarded", self.node, rank, i, slot.segment.name)
+                slot.blank()
+
     # ---- requests ---------------------------------------------------------------------------------------
     def handle(self, msg: dict, conn_id: int) -> tuple[dict, list]:
         """(reply, raw pieces sent after it). Cross-node operations run outside the lock: they wait on peers."""
         op = msg.get("op")
+        if not isinstance(op, str):
+            raise RequestError("bad_request", f"field 'op' must be a string, got {type(op).__name__}")
         if self.reads is not None and op in self.reads.OPS:
             return self.reads.handle(op, msg)
         fn = getattr(self, f"op_{op}", None)
@@ -173,17 +197,40 @@ class SMP:
         with self.lock:
             return fn(msg, conn_id), []
 
+    def answer(self, msg: dict, conn_id: int) -> tuple[dict, list]:
+        """handle(), with every failure turned into an error reply: no request takes the daemon down or leaves
+        a traceback in its log."""
+        try:
+            reply, pieces = self.handle(msg, conn_id)
+            return {"ok": True, **reply}, pieces
+        except RequestError as e:
+            return {"ok": False, "code": e.code, "error": str(e)}, []
+        except InmemFTError as e:
+            return {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}, []
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            return {"ok": False, "code": "bad_request", "error": f"malformed request: {type(e).__name__}: {e}"}, []
+        except Exception as e:  # a bug: say it in one line, keep serving the other trainers
+            log.error("smp node=%d event=request_failed op=%.40r reason=%s: %s", self.node, msg.get("op"),
+                      type(e).__name__, e)
+            return {"ok": False, "code": "error", "error": f"the SMP failed on this request: {type(e).__name__}: "
+                                                          f"{e}; see its log"}, []
+
     def op_ping(self, msg, conn_id):
         return {"job": self.job, "node": self.node, "pid": os.getpid()}
 
     def op_begin(self, msg, conn_id):
-        rank, step, keep = int(msg["rank"]), int(msg["step"]), msg.get("keep_step")
-        man_len, data_len = int(msg["manifest_len"]), int(msg["data_len"])
+        rank, step, keep = fields.rank(msg), fields.step(msg), fields.step(msg, "keep_step", optional=True)
+        man_len, data_len = fields.size(msg, "manifest_len"), fields.size(msg, "data_len")
         size = seg.slot_size(man_len, data_len)
-        self.local_ranks = max(self.local_ranks, int(msg.get("local_ranks") or 0))
+        local_ranks = fields.integer(msg, "local_ranks", fields.MAX_RANK, optional=True)
+        self.local_ranks = max(self.local_ranks, local_ranks or 0)
         slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
         self.moved.pop(rank, None)  # it runs here (again)
-        pins = self._pins(slots, keep)
+        pins = self._pins(rank, step, slots, keep)
+        if pins is None:
+            return {"skipped": (f"erasure_coding_lag: both slots of rank {rank} hold steps that must survive (step "
+                                f"{keep}, complete, is not protected yet; step {self.protector.protected} is): "
+                                f"step {step} is not snapshotted")}
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
                 if slots[i] is None or slots[i].segment.size < size:
@@ -195,27 +242,30 @@ class SMP:
             slot = self._allocate(rank, index, size)
         seg.Header(seg.WRITING, step, man_len, seg.data_offset(man_len), data_len).write(slot.segment.buf)
         self.writers[rank] = (index, conn_id)
-        return {"segment": slot.segment.name, "data_off": seg.data_offset(man_len), "slot": index}
+        return {"segment": slot.segment.name, "inode": slot.segment.inode, "data_off": seg.data_offset(man_len),
+                "slot": index}
 
-    def _pins(self, slots: list[Slot | None], keep: int | None) -> set:
+    def _pins(self, rank: int, step: int, slots: list[Slot | None], keep: int | None) -> set | None:
         """Steps a begin must not overwrite: the job's complete step and, with EC, the newest protected one
-        (survivors rebuild a lost node from it). When both fill every slot, wait for the group to protect
-        the complete step, which frees the older one; past PROTECT_WAIT_S give up the protected pin."""
+        (survivors rebuild a lost node from it). None: both fill every slot while the group is still
+        protecting the complete step; the begin then skips this snapshot rather than make the training
+        thread wait for erasure coding. Once protecting the complete step failed, the older protected step
+        is given up (keeping the complete step safe locally matters more than surviving a node loss)."""
         if self.protector is None:
             return {keep}
-        deadline = time.monotonic() + PROTECT_WAIT_S
-        while True:
-            pins = {keep, self.protector.protected}
-            held = {s.committed_step() for s in slots if s is not None}
-            if None in held or len(held) < SLOTS_PER_RANK or not held <= pins:
-                return pins
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("smp node=%d event=unprotect step=%s reason=step %s was not protected within %.0f s: "
-                            "overwriting the older protected step; a node loss now falls to the next tier",
-                            self.node, self.protector.protected, keep, PROTECT_WAIT_S)
-                return {keep}
-            self.cond.wait(left)
+        protected = self.protector.protected
+        held = {s.committed_step() for s in slots if s is not None}
+        if None in held or len(held) < SLOTS_PER_RANK or not held <= {keep, protected}:
+            return {keep, protected}
+        if self.protector.failed != keep:
+            log.warning("smp node=%d event=skipped rank=%d step=%d reason=erasure_coding_lag: step %s is complete "
+                        "but not yet protected, step %s is protected; both slots are pinned", self.node, rank, step,
+                        keep, protected)
+            return None
+        log.warning("smp node=%d event=unprotect rank=%d step=%s reason=protecting complete step %s failed (see "
+                    "event=protect_failed): overwriting the older protected step; a node loss now falls to the "
+                    "next tier", self.node, rank, protected, keep)
+        return {keep}
 
     @staticmethod
     def _choose(slots: list[Slot | None], pins: set) -> int:
@@ -226,7 +276,7 @@ class SMP:
         return min(range(SLOTS_PER_RANK), key=rank_of)
 
     def op_commit(self, msg, conn_id):
-        rank, step = int(msg["rank"]), int(msg["step"])
+        rank, step = fields.rank(msg), fields.step(msg)
         index, _ = self.writers.get(rank, (None, None))
         if index is None:
             raise RequestError("bad_request", f"rank {rank} commits step {step} without a begin")
@@ -248,7 +298,7 @@ class SMP:
         return {}
 
     def op_abort(self, msg, conn_id):
-        self._drop_writer(int(msg["rank"]), "aborted by trainer")
+        self._drop_writer(fields.rank(msg), "aborted by trainer")
         return {}
 
     def _drop_writer(self, rank: int, why: str) -> None:
@@ -261,7 +311,7 @@ class SMP:
                         header.step if header else "?", why)
 
     def op_list(self, msg, conn_id):
-        rank = int(msg["rank"])
+        rank = fields.rank(msg)
         if self.protector is not None:
             # A replacement node answers once it has rebuilt its ranks' slots from the group.
             if not self.cond.wait_for(self.protector.rebuild_done.is_set, REBUILD_WAIT_S):
@@ -269,6 +319,7 @@ class SMP:
                                            f"after {REBUILD_WAIT_S:.0f} s; see its log, then restart the job")
             if self.protector.rebuild_error:
                 raise RequestError("lost", self.protector.rebuild_error)
+        self._discard_corrupt(rank)
         out = []
         for slot in self.slots.get(rank, []):
             if slot is not None and slot.committed_step() is not None:
@@ -278,7 +329,7 @@ class SMP:
                 "linked": self.peers is not None and len(self.peers.addresses) > 1}
 
     def op_complete(self, msg, conn_id):
-        self._record_complete(int(msg["step"]))
+        self._record_complete(fields.step(msg))
         self._mark_moved(self.complete_step)
         if self.protector is None:
             self.release_moved(self.complete_step)
@@ -374,14 +425,14 @@ class SMP:
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
-        rank, step = int(msg["rank"]), msg.get("step")
+        rank, step = fields.rank(msg), fields.step(msg, optional=True)
         for slot in self.slots.get(rank, []):
             committed = slot.committed_step() if slot is not None else None
             if committed is not None and (step is None or committed > step):
                 slot.blank()
                 log.info("smp node=%d event=discard rank=%d step=%d reason=job resumed from %s", self.node,
                          rank, committed, "scratch" if step is None else f"step {step}")
-        self._record_complete(None if step is None else int(step))
+        self._record_complete(step)
         if self.protector is not None:
             self.protector.restored(step)
         return {}
@@ -453,17 +504,14 @@ class SMP:
                 conn_id = id(self)
                 try:
                     while True:
-                        msg = protocol.recv(self.request)
-                        pieces = []
                         try:
-                            reply, pieces = smp.handle(msg, conn_id)
-                            reply = {"ok": True, **reply}
-                        except RequestError as e:
-                            reply = {"ok": False, "code": e.code, "error": str(e)}
-                        except InmemFTError as e:
-                            reply = {"ok": False, "code": _CODES.get(type(e), "error"), "error": str(e)}
-                        except (KeyError, TypeError, ValueError) as e:
-                            reply = {"ok": False, "code": "bad_request", "error": f"malformed request: {e}"}
+                            msg = protocol.recv(self.request)
+                        except protocol.BadMessage as e:
+                            protocol.send(self.request, {"ok": False, "code": "bad_request", "error": str(e)})
+                            if e.framed:
+                                continue
+                            return  # the rest of the stream cannot be framed
+                        reply, pieces = smp.answer(msg, conn_id)
                         protocol.send(self.request, reply, pieces)
                         if smp.stopping:
                             threading.Thread(target=smp.server.shutdown, daemon=True).start()

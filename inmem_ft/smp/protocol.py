@@ -20,6 +20,26 @@ class ProtocolError(ConnectionError):
     pass
 
 
+class BadMessage(ProtocolError):
+    """A message that is not a JSON object of finite values. `framed`: it was read whole, so the connection
+    still frames and the next message can be read; otherwise the stream is lost and must be closed."""
+
+    def __init__(self, message: str, framed: bool = True):
+        super().__init__(message)
+        self.framed = framed
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"number {text} is not finite")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def frame(message: dict) -> bytes:
     raw = json.dumps(message, separators=(",", ":")).encode()
     return _LEN.pack(len(raw)) + raw
@@ -54,11 +74,14 @@ def recv_raw(sock: socket.socket, limit: int = MAX_MESSAGE) -> tuple[dict, bytes
     """One framed object and its raw JSON bytes (the transport authenticates those)."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if n > limit:
-        raise ProtocolError(f"message of {n} bytes exceeds the {limit}-byte limit")
+        raise BadMessage(f"message of {n} bytes exceeds the {limit}-byte limit", framed=False)
     raw = recv_exact(sock, n)
-    message = json.loads(raw)
+    try:
+        message = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # bad UTF-8 is a ValueError too; deep nesting a RecursionError
+        raise BadMessage(f"message is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(message, dict):
-        raise ProtocolError("message is not a JSON object")
+        raise BadMessage(f"message is a JSON {type(message).__name__}, not an object")
     return message, raw
 
 

@@ -38,7 +38,10 @@ class Segment:
                             f"/dev/shm has no room for a {size / 2**30:.2f} GiB snapshot slot; free memory, "
                             f"enlarge /dev/shm (mount -o remount,size=...) or lower the budget") from None
                     raise
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            # The identity of the memory: a restarted SMP may unlink a segment and create another under the
+            # same name, and a mapping of the old one then writes into memory nobody reads.
+            self.size, self.inode = st.st_size, st.st_ino
             self._mmap = mmap.mmap(fd, self.size)
         finally:
             os.close(fd)

@@ -74,6 +74,11 @@ class Header:
         return cls(state, step, man_len, data_off, data_len, man_hash)
 
 
+def is_blank(buf) -> bool:
+    """A header of zeros: a slot reserved and never written, or one the SMP discarded. Not a corruption."""
+    return not any(bytes(buf[: _FIELDS.size + _HASH.size]))
+
+
 def manifest_view(buf, header: Header):
     return buf[HEADER_SIZE: HEADER_SIZE + header.manifest_len]
 
@@ -91,7 +96,8 @@ def read_committed(buf, where: str, size: int | None = None) -> tuple[Header, di
     only the slot's first bytes (header and manifest, as a remote reader fetches them); `size`: the slot's."""
     header = Header.read(buf)
     if header is None:
-        raise SnapshotCorrupt(f"{where}: header missing or failing its checksum (torn or overwritten slot)")
+        raise SnapshotCorrupt(f"{where}: header missing or failing its checksum (a blank, overwritten or corrupted "
+                              f"slot)")
     if header.state != COMMITTED:
         raise SnapshotCorrupt(f"{where}: slot for step {header.step} was never committed (torn write)")
     if header.data_off + header.data_len > (len(buf) if size is None else size):

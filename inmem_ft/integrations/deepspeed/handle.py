@@ -16,7 +16,7 @@ from ...errors import ConfigError
 from ...persist.tier import DiskTier
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
-from . import shards, stock, types
+from . import shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
@@ -253,6 +253,7 @@ def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dic
         block = InmemFTBlock.from_framework_config(engine._config._param_dict)
     if block is None or not block.enabled:
         return None
+    support.check_supported(engine)
     if engine.zero_optimization_partition_weights() and engine.global_steps:
         raise ConfigError("inmem_ft: install() on a ZeRO-3 engine that already trained; call it right after "
                           "deepspeed.initialize (DeepSpeed cannot load into a trained ZeRO-3 engine)")

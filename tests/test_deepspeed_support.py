@@ -1,0 +1,63 @@
+"""DeepSpeed layouts the adapter does not handle are refused at install(), not mis-saved (issue 11, item 10).
+Real engines on CPU/gloo, in a subprocess (one process group per process)."""
+import subprocess
+import sys
+import textwrap
+
+from ds_harness import free_port
+
+BUILD = textwrap.dedent("""
+    import os, sys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import torch, deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.pipe import PipelineModule
+    from inmem_ft.errors import ConfigError
+    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install, support
+
+    disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo")
+    ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
+
+    def engine(model, **config):
+        optimizer = None if "optimizer" in config else torch.optim.Adam(model.parameters())
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=optimizer,
+                                    config={"train_micro_batch_size_per_gpu": 1, **config})[0]
+
+    def refusal(engine, version=None):
+        real, deepspeed.__version__ = deepspeed.__version__, version or deepspeed.__version__
+        try:
+            install(engine, config={"interval": 1})  # a refusal comes before the SMP is ever asked
+            return "accepted"
+        except ConfigError as e:
+            return str(e)
+        finally:
+            deepspeed.__version__ = real
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = MoE(hidden_size=4, expert=torch.nn.Linear(4, 4), num_experts=2, ep_size=1)
+
+    plain = engine(torch.nn.Linear(4, 4), optimizer=ADAM)
+    support.check_supported(plain)  # the layout we handle passes
+    print("version:", refusal(plain, version="0.20.0"))
+    print("pipeline:", refusal(engine(PipelineModule([torch.nn.Linear(4, 4)], num_stages=1,
+                                                     loss_fn=torch.nn.MSELoss()), optimizer=ADAM)))
+    print("moe:", refusal(engine(Experts(), optimizer=ADAM)))
+    print("offload:", refusal(engine(torch.nn.Linear(4, 4), zero_force_ds_cpu_optimizer=False,
+                                     zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})))
+""")
+
+
+def test_unsupported_deepspeed_layouts_are_refused(runtime):
+    out = subprocess.run([sys.executable, "-c", BUILD, str(free_port())], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(":")[0] in
+                {"version", "pipeline", "moe", "offload"})
+    assert "DeepSpeed 0.20.0 is not supported (tested with 0.19.8); install deepspeed==0.19.8" in said["version"]
+    assert "pipeline parallelism" in said["pipeline"] and "not supported" in said["pipeline"]
+    assert "mixture-of-experts" in said["moe"]
+    assert "optimizer offload to cpu is not supported" in said["offload"]
+    assert all("\n" not in s and "remove the inmem_ft block" in s for s in said.values())
