@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the step to export (default: the newest step held for every rank)")
     export.add_argument("--format", required=True, choices=["deepspeed-universal", "torch-dcp"],
                         help="deepspeed-universal: what ds_to_universal writes, for \"load_universal\": true at "
-                             "ZeRO-1/2/3 on any DP size; torch-dcp: torch.distributed.checkpoint of every global tensor")
-    export.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
+                             "ZeRO-1/2/3 on any DP size; torch-dcp: torch.distributed.checkpoint of every global tensor (required)")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory, created if missing (required)")
     export.add_argument("--quiet", action="store_true", help="no progress bar (default: one on stderr)")
     export.set_defaults(fn=cmd_export)
 

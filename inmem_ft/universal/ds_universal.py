@@ -68,8 +68,7 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[dict]]:
     # Fix 2: the ZeRO-3 loader reads the step and param_groups from here.
     common["optimizer_state_dict"] = {"state": {g: {"step": inner["state"][g]["step"]} for g in range(len(groups))},
                                       "param_groups": inner["param_groups"]}
-    model = {k: v for k, v in model.items() if k != "module"}
-    model["module"] = {}
+    model = {**model, "module": {}}
     model.setdefault("universal_checkpoint_info", UNIVERSAL_INFO)
     return str(src.state(0, "tag")), model, common, groups
 
