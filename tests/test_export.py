@@ -2,6 +2,7 @@
 stock DeepSpeed ("load_universal": true, other ZeRO stage and DP size) and torch.distributed.checkpoint load
 it in fresh processes that never import inmem_ft, every parameter and Adam moment bit-identical to the
 source's (`--dump-full` of the example: the trainers' own global tensors, gathered by DeepSpeed)."""
+import contextlib
 import json
 import os
 import socket
@@ -21,17 +22,16 @@ STEP = 4
 DS_ENV = {"DS_ACCELERATOR": "cpu"}
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    """A 2-node x 2-rank ZeRO-2 DeepSpeed job whose step-4 snapshot stays in its SMPs for every test here."""
-    tmp = tmp_path_factory.mktemp("export")
+@contextlib.contextmanager
+def deepspeed_job(tmp, *example_args):
+    """A 2-node x 2-rank DeepSpeed job whose step-4 snapshot stays in its SMPs while the context is open."""
     job = f"t{uuid.uuid4().hex[:10]}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("INMEM_FT_RUNTIME_DIR", str(tmp / "run"))
         mp.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         try:
             with SimulatedCluster(2, 2, job, 256 << 20, str(tmp / "logs"), env=DS_ENV) as cluster:
-                attempt = cluster.run([str(a) for a in ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", 2,
+                attempt = cluster.run([str(a) for a in ["-m", "inmem_ft.examples.deepspeed_gpt", *example_args,
                                                         "--steps", STEP, "--interval", 2, "--dump-full",
                                                         tmp / "full.pt"]])
                 assert attempt.ok, cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:]
@@ -39,6 +39,13 @@ def source(tmp_path_factory):
         finally:
             for seg in names_with_prefix(f"inmemft.{job}."):
                 unlink(seg)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """ZeRO-2 fp32, shared by the tests of this module."""
+    with deepspeed_job(tmp_path_factory.mktemp("export"), "--zero-stage", 2) as src:
+        yield src
 
 
 def export(source, fmt: str, out) -> str:
@@ -71,9 +78,7 @@ def stock(script: str, args: list, world: int, result) -> dict:
         return json.load(f)
 
 
-@pytest.mark.parametrize("stage,world", [(3, 1), pytest.param(1, 2, marks=pytest.mark.slow),
-                                         pytest.param(2, 1, marks=pytest.mark.slow)])
-def test_deepspeed_universal_export_loads_in_stock_deepspeed_on_another_layout(source, stage, world):
+def assert_stock_loads_universal(source, stage: int, world: int) -> None:
     out = source["tmp"] / f"universal_z{stage}"
     line = export(source, "deepspeed-universal", out)
     assert f"exported step {STEP}" in line
@@ -87,6 +92,18 @@ def test_deepspeed_universal_export_loads_in_stock_deepspeed_on_another_layout(s
         0 if stage == 3 else sum(1 for k in truth if not k.startswith("optimizer.")))
     assert got["global_steps"] == STEP and got["optimizer_steps"] == [float(STEP)]
     assert got["scheduler"]["last_batch_iteration"] == STEP - 1
+
+
+@pytest.mark.parametrize("stage,world", [(3, 1), pytest.param(1, 2, marks=pytest.mark.slow),
+                                         pytest.param(2, 1, marks=pytest.mark.slow)])
+def test_deepspeed_universal_export_loads_in_stock_deepspeed_on_another_layout(source, stage, world):
+    assert_stock_loads_universal(source, stage, world)
+
+
+@pytest.mark.slow
+def test_zero3_bf16_snapshot_exports_for_stock_zero1_on_two_ranks(tmp_path):
+    with deepspeed_job(tmp_path, "--zero-stage", 3, "--dtype", "bf16") as src:
+        assert_stock_loads_universal(src, 1, 2)
 
 
 def test_torch_dcp_export_loads_in_a_fresh_process(source):

@@ -4,7 +4,7 @@ global tensor of the catalog, plus `step` (int) and `topology` (the source layou
 `torch.distributed.checkpoint.load` reads it in any process, with any layout of its own. The state dict
 handed to `dcp.save` holds meta tensors only; the planner reads each global tensor from memory when the
 writer asks for it and the writer writes it at once (FileSystemWriter with one thread resolves items one by
-one), so one global tensor at a time is in memory.
+one), and with one file per tensor nothing keeps it, so one global tensor at a time is in memory.
 """
 from __future__ import annotations
 
@@ -46,5 +46,8 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     state["step"] = src.step
     state["topology"] = json.dumps(src.topology)
     planner = _FromMemory(src, bar)
-    dcp.save(state, storage_writer=FileSystemWriter(out, thread_count=1), planner=planner)
+    # One file per tensor: torch 2.13's writer keeps a reference to every tensor of a file until the file is
+    # done (for its safetensors format), so one file per rank would hold the whole state at once.
+    writer = FileSystemWriter(out, single_file_per_rank=False, thread_count=1)
+    dcp.save(state, storage_writer=writer, planner=planner)
     return out, len(state) - 2, planner.nbytes
