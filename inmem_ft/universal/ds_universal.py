@@ -35,8 +35,8 @@ FILES = (("fp32_param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
 
 
-def plan(src: MemorySource) -> tuple[str, dict, dict, list[dict]]:
-    """(tag, model states, optimizer_state.pt, [{name: (shape, step)}] per param group), checked first so
+def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]:
+    """(tag, model states, optimizer_state.pt, [({name: shape}, step)] per param group), checked first so
     that nothing is written for a snapshot this exporter cannot represent."""
     topo = src.topology
     if topo.get("framework") != "deepspeed":
@@ -59,14 +59,17 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[dict]]:
     inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]  # ZeRO-1/2, ZeRO-3
     shapes = model["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
-    groups = [{name: (shape, inner["state"][g]["step"]) for name, shape in group.items()}
-              for g, group in enumerate(shapes)]
+    missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]
+    if missing:
+        raise InmemFTError(f"rank 0's snapshot of step {src.step} holds no Adam state for param groups {missing} "
+                           f"(taken before the first optimizer step?); export a later step")
+    groups = [(group, inner["state"][g]["step"]) for g, group in enumerate(shapes)]
 
     common = {k: v for k, v in osd.items() if k not in PARTITIONED}
     common["param_groups"] = inner["param_groups"]
     common.setdefault("ds_version", model.get("ds_version"))  # the ZeRO-1/2 loader asserts on it
     # Fix 2: the ZeRO-3 loader reads the step and param_groups from here.
-    common["optimizer_state_dict"] = {"state": {g: {"step": inner["state"][g]["step"]} for g in range(len(groups))},
+    common["optimizer_state_dict"] = {"state": {g: {"step": step} for g, (_, step) in enumerate(groups)},
                                       "param_groups": inner["param_groups"]}
     model = {**model, "module": {}}
     model.setdefault("universal_checkpoint_info", UNIVERSAL_INFO)
@@ -80,11 +83,11 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     tag_dir = os.path.join(out, tag)
     if os.path.exists(tag_dir):
         raise InmemFTError(f"{tag_dir} already exists; remove it or give another --out")
-    bar.reset(total=sum(len(g) for g in groups) * len(FILES))
+    bar.reset(total=sum(len(group) for group, _ in groups) * len(FILES))
     tensors = nbytes = 0
     zero = os.path.join(tag_dir, "zero")
-    for group in groups:
-        for name, (shape, step) in group.items():
+    for group, step in groups:
+        for name, shape in group.items():
             pdir = os.path.join(zero, name)
             os.makedirs(pdir)
             for kind, fname in FILES:
@@ -95,7 +98,7 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
                 torch.save({"param": t, "cat_dim": 0}, os.path.join(pdir, f"{fname}.pt"))
                 tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
                 bar.update(1)
-                del t
+                del t  # before the next one is read
             torch.save(step, os.path.join(pdir, "step.pt"))
     torch.save(common, os.path.join(zero, "optimizer_state.pt"))
     for name in MODEL_STATES:  # fix 1: the ZeRO-3 engine globs zero_pp_rank_0_mp_rank_*_model_states.pt
