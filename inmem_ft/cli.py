@@ -187,6 +187,15 @@ def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: 
     return "\n".join(lines)
 
 
+def cmd_export(args) -> int:
+    from .universal.export import export
+
+    done = export(_socket(args), args.format, args.out, args.step, progress=not args.quiet)
+    print(f"inmem-ft: exported step {done['step']} of job {args.job} as {done['format']} to {done['path']}: "
+          f"{done['tensors']} global tensors, {units.human(done['bytes'])}, {done['seconds']:.1f} s")
+    return 0
+
+
 def cmd_launch(args) -> int:
     from .launcher import scenario
     from .launcher.supervisor import Failure
@@ -251,6 +260,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the step to list (default: the newest step held for every rank)")
     inspect.add_argument("--json", action="store_true", help="print the catalog as JSON (default: tables)")
     inspect.set_defaults(fn=cmd_inspect)
+
+    export = sub.add_parser("export", help="write a step held in memory (any node's, parity for a lost one) "
+                                           "as a checkpoint stock tools load, one global tensor at a time")
+    _node_args(export)
+    export.add_argument("--step", type=int, default=None,
+                        help="the step to export (default: the newest step held for every rank)")
+    export.add_argument("--format", required=True, choices=["deepspeed-universal", "torch-dcp"],
+                        help="deepspeed-universal: what ds_to_universal writes, for \"load_universal\": true at "
+                             "ZeRO-1/2/3 on any DP size; torch-dcp: torch.distributed.checkpoint of every global tensor (required)")
+    export.add_argument("--out", required=True, metavar="DIR", help="output directory, created if missing (required)")
+    export.add_argument("--quiet", action="store_true", help="no progress bar (default: one on stderr)")
+    export.set_defaults(fn=cmd_export)
 
     launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "
                                            "recover, and print the timeline")

@@ -87,8 +87,6 @@ def _slot_rows(entry: dict) -> list[dict]:
         if (lo, hi) != (rep["lo"], rep["hi"]):
             raise StepIncomplete(f"node {entry['node']} rank {entry['rank']} step {entry['step']}: the manifest's "
                                  f"replicated share [{rep['lo']}, {rep['hi']}) is not the layout's [{lo}, {hi})")
-    coords = man.get("topology", {}).get("coords", {})
-    group = "".join(f".{k}{v}" for k, v in sorted(coords.items()) if k != "dp")
     where = {"node": entry["node"], "rank": entry["rank"], "step": entry["step"], "segment": entry["segment"],
              "source": entry["source"]}
     rows = []
@@ -97,8 +95,7 @@ def _slot_rows(entry: dict) -> list[dict]:
         if not numel:
             continue
         itemsize = leaf["n"] // numel
-        specs = leaf.get("shards") or [{"key": f"_replicated{group}.leaf{i}" if "ro" in leaf else
-                                        f"_rank{entry['rank']}.leaf{i}", "global_shape": leaf["sh"],
+        specs = leaf.get("shards") or [{"key": leaf_key(man, i), "global_shape": leaf["sh"],
                                         "offset": [0] * len(leaf["sh"]), "shape": leaf["sh"], "main": True}]
         for spec in specs:
             box = math.prod(spec["shape"])
@@ -119,6 +116,15 @@ def _slot_rows(entry: dict) -> list[dict]:
     return rows
 
 
+def leaf_key(manifest: dict, i: int) -> str:
+    """The synthetic key under which leaf `i` of this manifest, which carries no shard spec, is catalogued."""
+    if "ro" not in manifest["leaves"][i]:
+        return f"_rank{manifest['rank']}.leaf{i}"
+    coords = manifest.get("topology", {}).get("coords", {})
+    group = "".join(f".{k}{v}" for k, v in sorted(coords.items()) if k != "dp")
+    return f"_replicated{group}.leaf{i}"
+
+
 def coverage(table: pa.Table) -> list[dict]:
     """Per key: {key, dtype, global_shape, numel, main_rows, rows, hole}; `hole` says which elements the main
     fragments miss or hold twice (None when they cover the tensor exactly)."""
@@ -133,7 +139,7 @@ def coverage(table: pa.Table) -> list[dict]:
         dtypes = {cols["dtype"][i] for i in idx}
         gs = shapes.pop() if len(shapes) == 1 else None
         main = [i for i in idx if cols["main"][i]]
-        info = {"key": key, "dtype": ",".join(sorted(dtypes)), "global_shape": list(gs) if gs else None,
+        info = {"key": key, "dtype": ",".join(sorted(dtypes)), "global_shape": list(gs) if gs is not None else None,
                 "numel": math.prod(gs) if gs is not None else None, "main_rows": len(main), "rows": len(idx)}
         if gs is None or len(dtypes) > 1:
             info["hole"] = f"fragments disagree on the global shape or dtype ({sorted(shapes)}, {sorted(dtypes)})"

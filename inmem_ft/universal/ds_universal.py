@@ -1,0 +1,108 @@
+"""A snapshot as the universal checkpoint DeepSpeed's `ds_to_universal` writes, built from memory.
+
+    <out>/latest_universal                      the tag
+    <out>/<tag>/zero/<param>/fp32.pt            {'param': full fp32 master weight, 'cat_dim': 0}
+    <out>/<tag>/zero/<param>/exp_avg.pt         the same for each Adam moment
+    <out>/<tag>/zero/<param>/step.pt            the optimizer step of the parameter's group
+    <out>/<tag>/zero/optimizer_state.pt         the optimizer's non-tensor state and param_groups
+    <out>/<tag>/mp_rank_00_model_states.pt      the engine's model states (lr scheduler, steps, config)
+    <out>/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   the same file under ZeRO-3's name
+
+Stock DeepSpeed with `"checkpoint": {"load_universal": true}` loads it at ZeRO-1, 2 and 3 on any DP size.
+Two things stock ds_to_universal output lacks for a ZeRO-3 loader (shared/MEGATRON.md, section 2) are
+added: the model states under the ZeRO-3 file name, and `optimizer_state_dict` (where the stage-3 loader
+reads the step) in optimizer_state.pt.
+
+Global tensors are read and written one at a time. The model states keep everything DeepSpeed saved except
+`module`: a universal load takes the weights from zero/ and never reads it, and writing it would hold the
+whole model at once.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import InmemFTError
+from .source import MemorySource
+
+MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+# Per-rank pieces of the ZeRO-1/2 and ZeRO-3 optimizer files; zero/<param>/ holds them whole.
+PARTITIONED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups",
+               "fp32_flat_groups", "optimizer_state_dict")
+FILES = (("fp32_param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+# What ds_to_universal --inject_missing_state adds for clients other than Megatron.
+UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
+
+
+def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]:
+    """(tag, model states, optimizer_state.pt, [({name: shape}, step)] per param group), checked first so
+    that nothing is written for a snapshot this exporter cannot represent."""
+    topo = src.topology
+    if topo.get("framework") != "deepspeed":
+        raise InmemFTError(f"--format deepspeed-universal needs a DeepSpeed snapshot; step {src.step} was taken "
+                           f"by {topo.get('framework')!r}: export it with --format torch-dcp")
+    if topo.get("zero_stage") not in (1, 2, 3) or topo.get("tp", 1) > 1 or topo.get("pp", 1) > 1:
+        raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor or pipeline "
+                           f"parallelism; this snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} "
+                           f"pp{topo.get('pp')}: export it with --format torch-dcp")
+    from ..integrations.deepspeed import types  # imports deepspeed: only for this format
+
+    types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
+    files = src.state(0, "files")
+    model = next((sd for name, sd in files.items() if name.endswith("model_states.pt")), None)
+    optim = next((sd for name, sd in files.items() if name.endswith("optim_states.pt")), None)
+    if model is None or optim is None:
+        raise InmemFTError(f"rank 0's snapshot of step {src.step} lacks DeepSpeed's model or optimizer states "
+                           f"(files: {sorted(files)})")
+    osd = optim["optimizer_state_dict"]
+    inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]  # ZeRO-1/2, ZeRO-3
+    shapes = model["param_shapes"]
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]
+    if missing:
+        raise InmemFTError(f"rank 0's snapshot of step {src.step} holds no Adam state for param groups {missing} "
+                           f"(taken before the first optimizer step?); export a later step")
+    groups = [(group, inner["state"][g]["step"]) for g, group in enumerate(shapes)]
+
+    common = {k: v for k, v in osd.items() if k not in PARTITIONED}
+    common["param_groups"] = inner["param_groups"]
+    common.setdefault("ds_version", model.get("ds_version"))  # the ZeRO-1/2 loader asserts on it
+    # Fix 2: the ZeRO-3 loader reads the step and param_groups from here.
+    common["optimizer_state_dict"] = {"state": {g: {"step": step} for g, (_, step) in enumerate(groups)},
+                                      "param_groups": inner["param_groups"]}
+    model = {**model, "module": {}}
+    model.setdefault("universal_checkpoint_info", UNIVERSAL_INFO)
+    return str(src.state(0, "tag")), model, common, groups
+
+
+def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
+    """Writes the checkpoint under `out`, one tensor at a time (`bar`: a tqdm); returns (the tag directory,
+    tensors, bytes)."""
+    tag, model, common, groups = plan(src)
+    tag_dir = os.path.join(out, tag)
+    if os.path.exists(tag_dir):
+        raise InmemFTError(f"{tag_dir} already exists; remove it or give another --out")
+    bar.reset(total=sum(len(group) for group, _ in groups) * len(FILES))
+    tensors = nbytes = 0
+    zero = os.path.join(tag_dir, "zero")
+    for group, step in groups:
+        for name, shape in group.items():
+            pdir = os.path.join(zero, name)
+            os.makedirs(pdir)
+            for kind, fname in FILES:
+                t = src.tensor(f"optimizer.state.{kind}.{name}")
+                if tuple(t.shape) != tuple(shape):
+                    raise InmemFTError(f"{kind} of {name}: the catalog's global shape {tuple(t.shape)} is not "
+                                       f"DeepSpeed's param_shapes {tuple(shape)}")
+                torch.save({"param": t, "cat_dim": 0}, os.path.join(pdir, f"{fname}.pt"))
+                tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
+                bar.update(1)
+                del t  # before the next one is read
+            torch.save(step, os.path.join(pdir, "step.pt"))
+    torch.save(common, os.path.join(zero, "optimizer_state.pt"))
+    for name in MODEL_STATES:  # fix 1: the ZeRO-3 engine globs zero_pp_rank_0_mp_rank_*_model_states.pt
+        torch.save(model, os.path.join(tag_dir, name))
+    with open(os.path.join(out, "latest_universal"), "w") as f:
+        f.write(tag)
+    return tag_dir, tensors, nbytes
