@@ -208,7 +208,7 @@ def test_restarted_smp_says_corrupt_slots_and_not_blank_ones(job):
 
 # ---- erasure-coding lag never stalls training ------------------------------------------------------------
 def _write_rank(socket_path, rank, step, keep):
-    """Commit `step` of `rank` by hand (a trainer of another node), tiny random bytes."""
+    """Commit `step` of `rank` by hand (a trainer of another node), tiny random bytes; not yet complete."""
     data = os.urandom(4096 + 64 * step)
     manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": 2,
                 "leaves": [{"o": 0, "n": len(data), "h": to_hex(checksum(data)), "dt": "uint8", "sh": [len(data)]}]}
@@ -223,7 +223,6 @@ def _write_rank(socket_path, rank, step, keep):
             f.seek(reply["data_off"])
             f.write(data)
         client.call("commit", rank=rank, step=step)
-        client.call("complete", step=step)
     finally:
         client.close()
 
@@ -235,10 +234,13 @@ def test_erasure_coding_lag_skips_a_snapshot_and_says_so(job, runtime, monkeypat
     snapshots commit again."""
     monkeypatch.setenv("INMEM_FT_SECRET", "test-secret-" + "y" * 20)
     with SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs"), parity=1) as cluster:
+        # Both nodes hold step 1 before either is told it is complete (node 0's trainer, a job of its own,
+        # completes it as soon as it commits): protection then finds it everywhere.
+        _write_rank(cluster.socket_path(1), 1, 1, None)
         snap = Snapshotter(SnapshotConfig(job=job, interval=1))
         snap.save(1, state(1))
         snap.wait()
-        _write_rank(cluster.socket_path(1), 1, 1, None)
+        control.call(cluster.socket_path(1), "complete", step=1)
         wait_protected(cluster, 1)
         frozen = cluster.smps[1]
         frozen.send_signal(signal.SIGSTOP)
