@@ -48,3 +48,20 @@ class Topology:
     def layout(self) -> str:
         """A short readable layout, for log lines: tp2.pp1.dp4."""
         return ".".join(f"{n}{getattr(self, n)}" for n in ("tp", "pp", "dp") + (("ep",) if self.ep > 1 else ()))
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def hyperparameters(group: dict) -> dict:
+    """An optimizer param group's JSON-plain hyperparameters for the record (betas as a list); its params and
+    anything that is not plain data (a tensor-valued lr, say) stay out: they live in the state itself."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, _SCALARS):
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
+            out[key] = list(value)
+    return out

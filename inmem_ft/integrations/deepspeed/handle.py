@@ -16,6 +16,7 @@ from ...errors import ConfigError
 from ...persist.tier import DiskTier
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
+from ...snapshot.topology import hyperparameters
 from . import shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
@@ -132,7 +133,7 @@ class Handle:
             osd = sd.get("optimizer_state_dict") if fname.endswith("optim_states.pt") else sd.get("optimizer")
             inner = (osd or {}).get("base_optimizer_state") or (osd or {}).get("optimizer_state_dict") or osd
             if inner and "param_groups" in inner:
-                groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in inner["param_groups"]]
+                groups = [hyperparameters(g) for g in inner["param_groups"]]
                 break
         if self.zero_stage in (1, 2):
             for group, shapes in zip(groups, shards.files_param_shapes(files)):
@@ -229,13 +230,6 @@ class Handle:
     def close(self) -> None:
         """Wait for the last commit (and flush), then let go of the SMP."""
         self.snap.close()
-
-
-def _plain(value) -> bool:
-    """JSON-plain hyperparameters only (a tensor-valued lr, say, stays in the state, not in the record)."""
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None):

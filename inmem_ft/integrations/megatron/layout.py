@@ -7,19 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ...snapshot import ShardSpec, Topology
+from ...snapshot.topology import hyperparameters
 from .manager import replica_tuple
-
-_SCALARS = (int, float, str, bool, type(None))
-
-
-def _plain(value):
-    """A hyperparameter as JSON (betas are tuples); None for what is not plain data."""
-    if isinstance(value, _SCALARS):
-        return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
-        return list(value)
-    return None
-
 
 def model_shards(model) -> dict[int, object]:
     """id(parameter) -> the model ShardedTensor that describes it (key, box, replica)."""
@@ -69,8 +58,7 @@ class MegatronLayout:
         groups = []
         for opt, keys in zip(_optimizers(self.optimizer), self.group_keys):
             for group, group_keys in zip(opt.optimizer.param_groups, keys):
-                hyper = {k: _plain(v) for k, v in group.items() if k != "params"}
-                groups.append({"keys": group_keys, **{k: v for k, v in hyper.items() if v is not None}})
+                groups.append({"keys": group_keys, **hyperparameters(group)})
         return Topology(framework="megatron", framework_version=self.version, world_size=dist.get_world_size(),
                         **self.sizes, coords=self.coords,
                         position={"iteration": int(iteration),
