@@ -26,6 +26,17 @@ def job(runtime):
         unlink(seg)
 
 
+@pytest.fixture
+def smp(job):
+    """One SMP for the job (node 0): (socket path, process)."""
+    from inmem_ft.smp import control, paths
+
+    proc = control.start(job, 0, 64 << 20)
+    yield paths.default_socket(job, 0), proc
+    if control.ping(paths.default_socket(job, 0)):  # the first SMP, or a replacement a test started
+        control.stop(paths.default_socket(job, 0), wipe=True)
+
+
 def wait_protected(cluster, step, timeout=60):
     """Wait until every SMP of an erasure-coded SimulatedCluster reports `step` protected."""
     from inmem_ft.smp import control

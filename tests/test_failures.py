@@ -16,14 +16,6 @@ from inmem_ft.smp import control, paths
 from inmem_ft.smp.segments import names_with_prefix, path_of
 
 
-@pytest.fixture
-def smp(job):
-    proc = control.start(job, 0, 64 << 20)
-    yield paths.default_socket(job, 0), proc
-    if control.ping(paths.default_socket(job, 0)):  # the first SMP, or a replacement a test started
-        control.stop(paths.default_socket(job, 0), wipe=True)
-
-
 def state(seed=0, n=1000):
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(n, generator=g), "step": seed}

@@ -1,11 +1,15 @@
 """Restore: every rank agrees on the newest step all ranks hold intact, and reads it back fast.
 
-The fast path reads each byte of shared memory once: a rank copies its own slot into private memory and
-verifies each region's checksum on the copy while it is in cache; data-parallel shares held by the same
-node's SMP are copied straight out of their slots; only shares on other nodes travel. Every rank then
-votes on whether its copy verified; a corrupt slot anywhere makes all ranks fall back to the next older
-step they all hold. Nothing handed to the caller aliases shared memory, so a framework that keeps the
-restored tensors (torch optimizers do) can never write into a snapshot.
+A rank verifies every region's checksum of its own slot; data-parallel shares held by the same node's SMP
+are read straight out of their slots (their owners verify them); only shares on other nodes travel. Every
+rank then votes on whether its slot verified; a corrupt slot anywhere makes all ranks fall back to the next
+older step they all hold.
+
+By default the state handed back is private memory: a copy made while verifying (each piece hashed right
+after it is copied, while it is in cache), so a framework that keeps restored tensors (torch optimizers do)
+can never write into a snapshot. With `views`, the state views the slots instead and nothing is copied
+here: the framework's load copies into tensors it already owns, which is the fastest restore there is (no
+page of fresh memory faults in), and `capture.views.PrivateAfterLoad` copies out whatever it kept.
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ class Restorer:
     def __init__(self, snap):
         self.snap = snap
 
-    def restore(self):
+    def restore(self, views: bool = False):
         snap, clock = self.snap, _Clock()
         listing = snap._smp.call("list", rank=snap.rank)
         local = self._candidates(listing["slots"])
@@ -90,7 +94,7 @@ class Restorer:
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         while steps:
             step = max(steps)
-            state, candidate, nbytes = self._load(step, local, clock)
+            state, candidate, nbytes = self._load(step, local, clock, views)
             if snap._agree.min(int(state is not None)):
                 return self._finish(step, state, candidate, nbytes, clock)
             log.warning("restore rank=%d step=%d event=corrupt_elsewhere: a rank's copy of step %d failed its "
@@ -166,22 +170,31 @@ class Restorer:
         return None
 
     # ---- reading it ------------------------------------------------------------------------------------
-    def _load(self, step: int, local: list[_Candidate], clock: _Clock):
-        """(state or None if this rank's copy failed its checksums, candidate, bytes). Collective."""
+    def _load(self, step: int, local: list[_Candidate], clock: _Clock, views: bool):
+        """(state or None if this rank's slot failed its checksums, candidate, bytes). Collective."""
         snap = self.snap
         candidate = next(c for c in local if c.step == step)
         header = seg.Header.read(candidate.attached.segment.buf)
         shm = candidate.attached.bytes[header.data_off: header.data_off + header.data_len]
         where = f"rank {snap.rank} slot {candidate.attached.segment.name}"
         try:
-            data = seg.copy_verified(shm, candidate.manifest, where, step)
+            if views:
+                seg.verify_data(shm, candidate.manifest, where, step)
+                data = shm
+            else:
+                data = seg.copy_verified(shm, candidate.manifest, where, step)
         except SnapshotCorrupt as e:
             log.warning("restore rank=%d step=%d event=corrupt: %s", snap.rank, step, e)
             data = None
-        clock.mark("copy_verify")
-        # Collective whatever happened above: the rank's data-parallel peers wait for it here.
-        replicated = replicated_region(snap, candidate.manifest, shm if data is None else data, step,
-                                       header.data_off)
+        clock.mark("verify" if views else "copy_verify")
+        # Collective whatever happened above: the rank's data-parallel peers wait for it here, and a share that
+        # cannot be read after the exchange is this rank's failure in the vote, not an exception that skips it.
+        try:
+            replicated = replicated_region(snap, candidate.manifest, shm if data is None else data, step,
+                                           header.data_off, views=views)
+        except InmemFTError as e:
+            log.warning("restore rank=%d step=%d event=share_unreadable: %s", snap.rank, step, e)
+            data = None
         clock.mark("replicated")
         if data is None:
             return None, candidate, header.data_len
@@ -204,12 +217,13 @@ class Restorer:
         return state
 
 
-def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_off: int) -> torch.Tensor | None:
-    """The whole replicated region of `step` (private memory), from this rank's share in `data` and its
-    data-parallel peers' shares. Collective over the data-parallel group (a tiny exchange of where each
-    share lives; `data_off`: where `data` starts in this rank's slot): shares held by this node's SMP are
-    copied straight out of their slots, only shares on other nodes travel, read through the local SMP. SMPs
-    not linked to their peers (no --peers) cannot read other nodes: the group then all-gathers its shares."""
+def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_off: int, *,
+                      views: bool = False) -> layout.Pieces | None:
+    """The whole replicated region of `step`, from this rank's share in `data` and its data-parallel peers'
+    shares. Collective over the data-parallel group (a tiny exchange of where each share lives; `data_off`:
+    where `data` starts in this rank's slot): shares held by this node's SMP are read straight out of their
+    slots (viewed there with `views`, else copied), only shares on other nodes travel, read through the local
+    SMP. SMPs not linked to their peers (no --peers) cannot read other nodes: the group then all-gathers."""
     rep = manifest.get("replicated")
     if not rep:
         return None
@@ -217,12 +231,14 @@ def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_
         raise LayoutMismatch(f"step {manifest['step']} split replicated state over {rep['dp_size']} "
                              f"data-parallel ranks, this job has {snap.dp_size}; restart with the original "
                              f"layout (this release cannot reshard a snapshot)")
-    out = torch.empty(rep["total"], dtype=torch.uint8)
-    out[rep["lo"]: rep["hi"]] = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+    mine = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
     if snap.dp_size == 1:
-        return out
+        return layout.Pieces([(0, mine)])
     peers = dist.get_process_group_ranks(snap._dp_gloo)
-    linked = snap._smp.call("list", rank=snap.rank).get("linked", False)
+    try:  # nothing before the exchange may fail on one rank only: the others would wait in it
+        linked = snap._smp.call("list", rank=snap.rank).get("linked", False)
+    except InmemFTError:
+        linked = False
     where = torch.tensor([snap.config.node, data_off + rep["o"], int(linked)], dtype=torch.int64)
     found = [torch.empty_like(where) for _ in peers]
     dist.all_gather(found, where, group=snap._dp_gloo)
@@ -230,23 +246,27 @@ def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_
     if len({node for node, _, _ in found}) > 1 and not all(ok for _, _, ok in found):
         _, _, chunk = layout.share_bounds(rep["total"], snap.dp_rank, snap.dp_size)
         share = torch.zeros(chunk, dtype=torch.uint8)  # the last share's padding stays zero
-        share[: rep["hi"] - rep["lo"]] = out[rep["lo"]: rep["hi"]]
-        return all_gather_bytes(share, snap._dp_gloo)[: rep["total"]]
+        share[: rep["hi"] - rep["lo"]] = mine
+        return layout.Pieces([(0, all_gather_bytes(share, snap._dp_gloo)[: rep["total"]])])
+    parts = []
     for dp_rank, (rank, (node, offset, _)) in enumerate(zip(peers, found)):
-        if rank == snap.rank:
-            continue
         lo, hi, _ = layout.share_bounds(rep["total"], dp_rank, snap.dp_size)
+        if rank == snap.rank:
+            parts.append((lo, mine))
+            continue
         local = _local_share(snap, rank, step) if node == snap.config.node else None
-        if local is not None:
-            out[lo:hi] = local
-        else:  # its owner is on another node (its SMP verifies the share's checksum as it serves it)
-            snap._smp.read(node, rank, step, offset, hi - lo, into=out[lo:hi].numpy())
-    return out
+        if local is None:  # its owner is on another node (its SMP verifies the share's checksum as it serves it)
+            local = torch.empty(hi - lo, dtype=torch.uint8)
+            snap._smp.read(node, rank, step, offset, hi - lo, into=local.numpy())
+        elif not views:
+            local = local.clone()
+        parts.append((lo, local))
+    return layout.Pieces(parts)
 
 
 def _local_share(snap, rank: int, step: int) -> torch.Tensor | None:
-    """`rank`'s replicated share of `step` if this node's SMP holds it, else None. Its owner verifies it on
-    its own copy; the vote after the restore covers it."""
+    """A view of `rank`'s replicated share of `step` in its slot if this node's SMP holds it, else None. Its
+    owner verifies it where it lies; the vote after the restore covers it."""
     for entry in snap._smp.call("list", rank=rank)["slots"]:
         if entry["step"] != step:
             continue

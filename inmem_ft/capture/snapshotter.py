@@ -280,12 +280,20 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self):
+    def restore(self, views: bool = False):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
-        (unless config.start_fresh)."""
+        (unless config.start_fresh).
+
+        The state's tensors are private copies; with `views`, most of them view the slots in shared memory
+        instead (no copy): the caller must not write into them and must copy out what it keeps before the
+        next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`."""
         self.wait()
-        return Restorer(self).restore()
+        return Restorer(self).restore(views)
+
+    def mapped_storages(self) -> set[int]:
+        """Base addresses of the slot mappings of this process (what a restore with views hands out)."""
+        return {attached.bytes.untyped_storage().data_ptr() for attached in self._attached.values()}
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

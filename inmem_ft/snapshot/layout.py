@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .checksum import PLACEHOLDER
-from .segment import FORMAT, align
+from .segment import ALIGN, FORMAT, align
 from .shardspec import ShardSpec
 from .topology import Topology
 from .tree import FlatState, dtype_from_name, unflatten
@@ -82,12 +82,29 @@ def _tensor_from(src: torch.Tensor, entry: dict, copy: bool):
     return raw.view(dtype_from_name(entry["dt"])).view(entry["sh"])
 
 
-def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None = None, *, owned: bool = False):
-    """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the gathered replicated region.
+@dataclass
+class Pieces:
+    """The replicated region of a step as it was found: pieces (offset in the region, uint8 tensor) that cover
+    it end to end. A piece is a view of a slot where the share lies on this node, or a private buffer."""
 
-    Leaves of the replicated region become views of it: that buffer is the caller's own, handed over here.
-    Leaves in `data` are copied out, so the result stays valid after the slot is reused, unless `owned`
-    says `data` is a private copy too; then they are views of it.
+    parts: list[tuple[int, torch.Tensor]]
+
+    def take(self, ro: int, n: int) -> torch.Tensor:
+        """Bytes [ro, ro + n) of the region: a view of the piece holding them where that piece holds all of
+        them at an address their dtype can view (ALIGN covers every dtype), else a private copy."""
+        pieces = [(lo, t) for lo, t in self.parts if lo < ro + n and ro < lo + t.numel()] or self.parts[:1]
+        lo, t = pieces[0]
+        if len(pieces) == 1 and (t.storage_offset() + ro - lo) % ALIGN == 0:
+            return t[ro - lo: ro - lo + n]
+        return torch.cat([t[max(0, ro - lo): ro + n - lo] for lo, t in pieces])
+
+
+def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None, *, owned: bool = False):
+    """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the replicated region's pieces.
+
+    Leaves of the replicated region are taken from its pieces as they are (views where they can be). Leaves
+    in `data` are copied out, so the result stays valid after the slot is reused, unless `owned` says the
+    caller takes care of that (a private copy, or a caller that copies out what it keeps); then they are views.
     """
     values = []
     for entry in manifest["leaves"]:
@@ -95,7 +112,7 @@ def unpack(manifest: dict, data: torch.Tensor, replicated: torch.Tensor | None =
         if "o" in entry:
             values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=not owned))
         else:
-            values.append(_tensor_from(replicated[entry["ro"]: entry["ro"] + n], entry, copy=False))
+            values.append(_tensor_from(replicated.take(entry["ro"], n), entry, copy=False))
     return unflatten(manifest["tree"], values)
 
 

@@ -151,14 +151,26 @@ def copy_verified(data, manifest: dict, where: str, step: int, workers: int = CO
     """A private copy of a slot's data bytes (uint8 tensor), every region's checksum verified on the copy.
 
     One pass over shared memory: each piece is hashed right after it is copied, while it is still in cache,
-    instead of a checksum pass over shared memory followed by a copy pass. The regions are split into
-    `workers` runs of about equal bytes, copied and checked side by side."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
+    instead of a checksum pass over shared memory followed by a copy pass."""
     import torch
 
     out = torch.empty(data.numel(), dtype=torch.uint8)
+    _verify_runs(data, out, manifest, where, step, workers)
+    return out
+
+
+def verify_data(data, manifest: dict, where: str, step: int, workers: int = COPY_WORKERS) -> None:
+    """Check every region's checksum of a slot's data bytes (uint8 tensor) where they lie, with no copy: for
+    callers that read the slot in place and copy only what they keep."""
+    _verify_runs(data, None, manifest, where, step, workers)
+
+
+def _verify_runs(data, out, manifest: dict, where: str, step: int, workers: int) -> None:
+    """Split the regions into `workers` runs of about equal bytes, checked (and copied into `out`, if given)
+    side by side: hashing and copying release the GIL, and fresh memory's page faults scale with threads."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     todo = regions(manifest)
     if todo and todo[-1][1] > data.numel():
         raise SnapshotCorrupt(f"{where}: step {step} {todo[-1][3]} lies past the slot's data")
@@ -170,24 +182,25 @@ def copy_verified(data, manifest: dict, where: str, step: int, workers: int = CO
         runs[-1].append(region)
         acc += region[1] - region[0]
     if len(runs) == 1:
-        _copy_run(data, out, runs[0], where, step)
-        return out
+        _check_run(data, out, runs[0], where, step)
+        return
     with ThreadPoolExecutor(len(runs), thread_name_prefix="inmem_ft-restore") as pool:
-        for future in [pool.submit(_copy_run, data, out, run, where, step) for run in runs]:
+        for future in [pool.submit(_check_run, data, out, run, where, step) for run in runs]:
             future.result()
-    return out
 
 
-def _copy_run(data, out, run: list, where: str, step: int) -> None:
-    """Copy bytes [first region's start, last region's end) piece by piece, hashing each piece in cache."""
+def _check_run(data, out, run: list, where: str, step: int) -> None:
+    """Hash bytes [first region's start, last region's end) piece by piece; with `out`, copy each piece there
+    first and hash the copy while it is in cache."""
     import xxhash
 
-    view = out.numpy()
+    view = (data if out is None else out).numpy()
     i, partial = 0, None
     lo, hi = run[0][0], run[-1][1]
     for a in range(lo, hi, COPY_PIECE):
         b = min(hi, a + COPY_PIECE)
-        out[a:b].copy_(data[a:b])
+        if out is not None:
+            out[a:b].copy_(data[a:b])
         while i < len(run) and run[i][0] < b:
             start, end, expected, label = run[i]
             piece = view[max(start, a): min(end, b)]

@@ -10,7 +10,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
+from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
 from ...errors import ConfigError
 from ...persist.tier import DiskTier
@@ -116,6 +119,7 @@ class Handle:
     def _commit(self, info, files: dict) -> None:
         """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
         step = int(self.engine.global_steps)
+        self._memory = None  # a restored state views slots that snapshots from now on may rewrite
         files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 param_names=self._param_names)
         state = {"tag": str(info.tag), "step": step,
@@ -178,7 +182,7 @@ class Handle:
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
         t0 = time.perf_counter()
-        state = self.snap.restore()
+        state = self.snap.restore(views=True)  # the engine copies what it keeps (_load_memory)
         mem_step = state["step"] if state is not None else -1
         disk_step = self._disk_step()
         if mem_step >= 0 and mem_step >= disk_step:
@@ -206,8 +210,14 @@ class Handle:
         # (/dev/shm/...). Our load() maps it to the model-states dict; the optimizer files DeepSpeed names
         # itself under <dir>/<tag>/ and only probes with os.path.exists, which a missing file passes.
         self.engine._get_all_ckpt_names = lambda _dir, _tag: [anchor] * self.engine.mp_world_size
+        optimizer = self.engine.optimizer
+        inner = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if isinstance(o, torch.optim.Optimizer)]
         try:
-            path, _ = self._load(self.scratch, tag, *a, **kw)
+            # The state views the slots; the engine copies parameters and ZeRO partitions into its own tensors,
+            # and torch's optimizer keeps what it is given: that is copied out into the moments it had before.
+            with PrivateAfterLoad(self.snap, inner, [self.engine.module],
+                                  [optimizer] if optimizer is not None else []):
+                path, _ = self._load(self.scratch, tag, *a, **kw)
         finally:
             del self.engine._get_all_ckpt_names
             self.ckpt.serve(None)
@@ -215,7 +225,8 @@ class Handle:
             raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
         restore_rng_state(state["rank"]["rng"])
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
-        return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag, phases)
+        extras = private(state["rank"]["extras"], self.snap.mapped_storages())
+        return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
