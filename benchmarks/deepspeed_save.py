@@ -546,7 +546,7 @@ def main() -> int:
                "TORCH_EXTENSIONS_DIR": os.path.join(os.path.dirname(HERE), ".cache", "torch_extensions")}
         for stage in stages:
             res = {}
-            with SimulatedCluster(1, 2, f"dsbench{stage}", 8 << 30, os.path.join(tmp, f"logs{stage}"),
+            with SimulatedCluster(1, 2, f"dsbench{stage}-{os.getpid()}", 8 << 30, os.path.join(tmp, f"logs{stage}"),
                                   env=env) as cluster:
                 for phase in ("save", "inmem", "load"):
                     result = os.path.join(tmp, f"{phase}{stage}.json")

@@ -8,14 +8,13 @@ delivers SIGBUS to the writer mid-copy, where posix_fallocate gives a clean ENOS
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
 
+from .. import pages
+
 SHM_DIR = "/dev/shm"
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; prefaults the mapping so the first copy runs at memcpy speed
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def path_of(name: str) -> str:
@@ -48,13 +47,12 @@ class Segment:
         self.buf = memoryview(self._mmap)
 
     def populate(self) -> None:
-        """Prefault the whole mapping. Through ctypes, which releases the GIL (mmap.madvise holds it), since
-        this runs in a background thread while the training thread works."""
+        """Prefault the whole mapping, so the first copy into it runs at memcpy speed (this runs in a background
+        thread while the training thread works: pages.populate releases the GIL)."""
         anchor = ctypes.c_char.from_buffer(self._mmap)
         address = ctypes.addressof(anchor)
         del anchor  # the address stays valid while the mapping is open; the buffer export must not linger
-        _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(self.size), _MADV_POPULATE_WRITE)
-        # A kernel older than 5.14 refuses the advice: pages then fault in on first touch instead.
+        pages.populate(address, self.size)
 
     def close(self) -> None:
         try:
