@@ -265,3 +265,34 @@ def test_erasure_coding_lag_skips_a_snapshot_and_says_so(job, runtime, monkeypat
         assert snap.metrics.snapshots == 3 and snap.metrics.skipped == 1 and snap.metrics.failures == 0
         assert "event=unprotect rank=0 step=1" in open(cluster.smp_log(0)).read()
         assert [s["step"] for s in control.call(cluster.socket_path(0), "list", rank=0)["slots"]] == [4, 2]
+
+
+DIVERGING_RANK = """
+import time, torch, torch.distributed as dist
+import inmem_ft
+dist.init_process_group("gloo")
+snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1))
+snap.save(1, {"w": torch.ones(1000)})
+snap.wait()
+# Rank 1's state cannot be copied (a meta tensor has no bytes): torch raises, not inmem_ft.
+bad = torch.empty(1000, device="meta") if dist.get_rank() == 1 else torch.ones(1000)
+t0 = time.monotonic()
+snap.save(2, {"w": bad})
+snap.wait()
+print("waited", round(time.monotonic() - t0, 1), "complete", snap._complete, "failures", snap.metrics.failures,
+      flush=True)
+snap.close()
+"""
+
+
+def test_a_foreign_exception_on_one_rank_is_voted_and_never_leaves_the_others_waiting(job, runtime):
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", DIVERGING_RANK], timeout_s=300)  # a hang would wait for gloo's 600 s
+        logs = [cluster.rank_log(attempt.number, r) for r in range(2)]
+        assert attempt.ok, logs
+        for rank, text in enumerate(logs):
+            line = next(x for x in text.splitlines() if x.startswith("waited"))
+            complete, failures = int(line.split()[3]), int(line.split()[5])
+            assert complete == 1, text  # step 2 counts nowhere: rank 1 voted it down
+            assert failures == (1 if rank == 1 else 0), text
+        assert "event=failed: NotImplementedError" in logs[1] or "event=failed: RuntimeError" in logs[1], logs[1]

@@ -7,9 +7,9 @@ survives a crash at any instant.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -125,12 +125,12 @@ class Snapshotter:
         data-parallel sizes, framework 'pytorch')."""
         t0 = time.perf_counter()
         self.wait()
-        flat = flatten(state)
-        plan = layout.plan(flat, step=step, rank=self.rank, world_size=self.world_size, dp_rank=self.dp_rank,
-                           dp_size=self.dp_size, topology=topology)
-        manifest_len = len(seg.encode_manifest(plan.manifest))
-        target, work, error = None, None, None
+        plan, target, reply, work, error, fatal = None, None, None, None, None, False
         try:
+            flat = flatten(state)
+            plan = layout.plan(flat, step=step, rank=self.rank, world_size=self.world_size,
+                               dp_rank=self.dp_rank, dp_size=self.dp_size, topology=topology)
+            manifest_len = len(seg.encode_manifest(plan.manifest))
             reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
                                    data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
                                    local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
@@ -142,29 +142,30 @@ class Snapshotter:
             data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
             work = self._copier.copy(flat.leaves, plan.copies, data, defer=overlap)
             self._reserved = True
-        except BudgetExceeded:
-            if not self._reserved:
-                raise  # the first snapshot reserves the slots: a budget that cannot fit is a setup error
-            error = sys.exc_info()[1]
-        except InmemFTError as e:
-            error = e
+        except Exception as e:  # any failure, ours or not: the step's vote in _finish tells every rank
+            error, target = e, None
+            # The first snapshot reserves the slots: a budget that cannot fit is a setup error.
+            fatal = isinstance(e, BudgetExceeded) and not self._reserved
         if isinstance(error, _Skipped):
             self.metrics.skipped += 1
             log.warning("snapshot rank=%d step=%d event=skipped reason=%s", self.rank, step, error)
         stall = time.perf_counter() - t0
         m = self.metrics
-        m.last_stall_s, m.last_bytes = stall, plan.data_len
+        m.last_stall_s, m.last_bytes = stall, plan.data_len if plan else 0
         m.total_stall_s += stall
         m.stalls_s.append(stall)
         if self._heartbeat:
-            self._heartbeat.beat(step=step, snapshot_step=step, stall_s=stall, bytes=plan.data_len)
+            self._heartbeat.beat(step=step, snapshot_step=step, stall_s=stall, bytes=m.last_bytes)
         self._copied = threading.Event()
         self._fence_work = work if overlap and error is None else None
         if self._fence_work is None:
             self._copied.set()
         # Submitted even after an error: every rank must take part in the step's agreement.
-        self._pending = self._pool.submit(self._finish, step, plan, target, reply if target else None, work,
-                                          error)
+        self._pending = self._pool.submit(self._finish, step, plan, target, reply, work, error)
+        if fatal:
+            with contextlib.suppress(Exception):
+                self.wait()  # the vote first, so no other rank waits for this one
+            raise error
 
     def fence(self) -> None:
         """Before the snapshotted state changes: wait for an overlapped snapshot's copy. Cheap otherwise."""
@@ -198,7 +199,7 @@ class Snapshotter:
                 raw = seg.encode_manifest(plan.manifest)
                 target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
                 self._smp.call("commit", rank=self.rank, step=step)
-            except InmemFTError as e:
+            except Exception as e:  # whatever it is, the vote below must run on every rank
                 error = e
         agreed = self._agree.min(NO_STEP if error else step)
         if agreed == step:
@@ -214,7 +215,10 @@ class Snapshotter:
             return  # said in save(); the agreement above kept the step from counting as complete anywhere
         if error is not None:
             self.metrics.failures += 1
-            log.error("snapshot rank=%d step=%d event=failed: %s", self.rank, step, error)
+            log.error("snapshot rank=%d step=%d event=failed: %s: %s", self.rank, step, type(error).__name__,
+                      error)
+            if not isinstance(error, InmemFTError):  # so that on_error decides, as for our own errors
+                raise InmemFTError(f"snapshot of step {step} failed: {type(error).__name__}: {error}") from error
             raise error
         self.metrics.snapshots += 1
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
@@ -227,12 +231,13 @@ class Snapshotter:
         t0 = time.perf_counter()
         manifest = plan.manifest
         data = target.bytes[data_off: data_off + plan.data_len]
-        # Collective: outside the try, all ranks join.
-        replicated = replicated_region(self, manifest, data, step, data_off)
         ok = True
         try:
+            # Collective (its exchange runs on every rank before anything in it can fail); what fails after it,
+            # a peer's share that cannot be read, a full disk, a bad path, is voted below.
+            replicated = replicated_region(self, manifest, data, step, data_off)
             self.disk.write(step, layout.unpack(manifest, data, replicated))
-        except Exception as e:  # a full disk or a bad path must not take training down
+        except Exception as e:  # must not take training down, nor leave the other ranks waiting
             ok = False
             log.error("persist rank=%d step=%d event=failed: %s: %s", self.rank, step, type(e).__name__, e)
         everyone = self._agree.min(step if ok else NO_STEP)
