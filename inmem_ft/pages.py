@@ -10,12 +10,30 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; an older kernel refuses it and pages fault in on first touch
 HUGE = 2 << 20
+WORKERS = 4  # copies, checksums and prefaults release the GIL; page faults scale with threads
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's worker threads for bulk memory work, all started at once on first use: a thread started
+    while another prefaults waits for the address-space lock the prefault holds (its stack is an mmap), which
+    serialises what was meant to run side by side."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="inmem_ft-memory")
+            started = threading.Barrier(WORKERS)
+            for future in [_pool.submit(started.wait) for _ in range(WORKERS)]:
+                future.result()
+        return _pool
 
 
 def advise(address: int, length: int, advice: int) -> bool:
@@ -28,9 +46,8 @@ def populate(address: int, length: int, threads: int = 1) -> None:
         advise(address, length, MADV_POPULATE_WRITE)
         return
     step = -(-length // threads // HUGE) * HUGE
-    with ThreadPoolExecutor(threads, thread_name_prefix="inmem_ft-pages") as pool:
-        list(pool.map(lambda a: advise(address + a, min(step, length - a), MADV_POPULATE_WRITE),
-                      range(0, length, step)))
+    list(pool().map(lambda a: advise(address + a, min(step, length - a), MADV_POPULATE_WRITE),
+                    range(0, length, step)))
 
 
 def fresh(nbytes: int, threads: int = 1):

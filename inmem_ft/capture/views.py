@@ -14,7 +14,6 @@ faulting fresh tensors in one 4 KiB page at a time.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch
 
 from .. import pages
 from ..snapshot import segment
-from ..snapshot.segment import COPY_WORKERS
 
 PIECE = 1 << 21  # elements per copy task: enough tasks to keep every worker busy, few enough to be cheap
 
@@ -76,7 +74,7 @@ class PrivateAfterLoad:
                     and own.device == view.device and own.is_contiguous())
             targets.append(own if fits else None)
             sizes.append(0 if fits else segment.align(view.numel() * view.element_size()))
-        arena = pages.fresh(sum(sizes), threads=COPY_WORKERS) if sum(sizes) else None
+        arena = pages.fresh(sum(sizes), threads=pages.WORKERS) if sum(sizes) else None
         pieces, offset = [], 0
         for (put, view, _), own, size in zip(kept, targets, sizes):
             if own is None:
@@ -86,8 +84,7 @@ class PrivateAfterLoad:
             pieces += [(flat_dst[a: a + PIECE], flat_src[a: a + PIECE]) for a in range(0, flat_dst.numel(), PIECE)]
             put(own)
             self.copied += view.numel() * view.element_size()
-        with ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="inmem_ft-restore") as pool:
-            list(pool.map(lambda pair: pair[0].copy_(pair[1]), pieces))
+        list(pages.pool().map(lambda pair: pair[0].copy_(pair[1]), pieces))
 
 
 def _views(value, bases: set[int]) -> bool:

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 
+from .. import pages
 from ..errors import SnapshotCorrupt, UnknownFormat
 from .checksum import checksum, to_hex
 
@@ -144,7 +145,7 @@ def regions(manifest: dict, base: int = 0) -> list[tuple[int, int, int, str]]:
 
 
 COPY_PIECE = 8 << 20  # small enough to stay in cache between the copy and its checksum
-COPY_WORKERS = 4  # copies and checksums release the GIL; fresh memory's page faults scale with threads
+COPY_WORKERS = pages.WORKERS
 
 
 def copy_verified(data, manifest: dict, where: str, step: int, workers: int = COPY_WORKERS):
@@ -169,7 +170,6 @@ def _verify_runs(data, out, manifest: dict, where: str, step: int, workers: int)
     """Split the regions into `workers` runs of about equal bytes, checked (and copied into `out`, if given)
     side by side: hashing and copying release the GIL, and fresh memory's page faults scale with threads."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
 
     todo = regions(manifest)
     if todo and todo[-1][1] > data.numel():
@@ -184,9 +184,8 @@ def _verify_runs(data, out, manifest: dict, where: str, step: int, workers: int)
     if len(runs) == 1:
         _check_run(data, out, runs[0], where, step)
         return
-    with ThreadPoolExecutor(len(runs), thread_name_prefix="inmem_ft-restore") as pool:
-        for future in [pool.submit(_check_run, data, out, run, where, step) for run in runs]:
-            future.result()
+    for future in [pages.pool().submit(_check_run, data, out, run, where, step) for run in runs]:
+        future.result()
 
 
 def _check_run(data, out, run: list, where: str, step: int) -> None:
