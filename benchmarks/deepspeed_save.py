@@ -658,20 +658,25 @@ def worker_argv(args, phase: str, result: str, stage: int, disk_dir: str, counts
     return argv + [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def run_dlrover(argv: list[str], counts: dict, env: dict, result: str, log: str, name: str) -> dict:
+def run_dlrover(argv: list[str], counts: dict, env: dict, result: str, scratch: str, name: str) -> dict:
     """DLRover's figures for one stage: the phase under DLRover's own launcher, which restarts its processes
     after each crash (one restore per restart). A reason in "skipped" instead when it failed."""
     restarts = counts["load_repeats"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(dlrover_flash.launcher(2, restarts) + argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
-    poll, t0 = report.echo_log(lambda: pathlib.Path(log).read_text(errors="replace"), name), time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < 3600:
-        poll(time.monotonic() - t0)
-        time.sleep(1.0)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)  # its agent, local master and workers: the session it started
-        proc.wait()
+    job, log = f"inmemft-bench-{os.getpid()}-{name.lower().replace(' ', '-')}", os.path.join(scratch, "dlrover.log")
+    env = {**os.environ, **env, **dlrover_flash.job_env(job, scratch)}
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(dlrover_flash.launcher(2, restarts) + argv, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        poll, t0 = report.echo_log(lambda: pathlib.Path(log).read_text(errors="replace"), name), time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 3600:
+            poll(time.monotonic() - t0)
+            time.sleep(1.0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its agent, local master and workers: the session it started
+            proc.wait()
+    finally:
+        dlrover_flash.cleanup(job, 2)
     try:
         with open(result.format(restart=0)) as f:
             res = json.load(f)
@@ -756,7 +761,7 @@ def main() -> int:
                 result = os.path.join(tmp, f"dlrover{stage}.{{restart}}.json")
                 with report.phase(f"ZeRO-{stage} {PHASES['dlrover']}"):
                     got = run_dlrover(worker_argv(args, "dlrover", result, stage, disk_dir, counts), counts, env,
-                                      result, os.path.join(tmp, f"logs{stage}", "dlrover.log"), f"ZeRO-{stage} dlrover")
+                                      result, os.path.join(tmp, f"logs{stage}"), f"ZeRO-{stage} dlrover")
                 res["skipped"].update(got.pop("skipped", {}))
                 res.update(got)
             shutil.rmtree(os.path.join(disk_dir, f"zero{stage}"), ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import shutil
 import sys
 
 VERSION = "0.6.1"  # the version the adapters below are written for
@@ -33,6 +34,31 @@ def launcher(nproc: int, restarts: int) -> list[str]:
     """The command line of DLRover's own launcher, one node, `restarts` worker restarts after a failure."""
     return [sys.executable, RUN, "--standalone", "--nnodes", "1", "--nproc_per_node", str(nproc),
             "--max-restarts", str(restarts)]
+
+
+def job_env(job: str, scratch: str) -> dict:
+    """The environment of a DLRover job named `job` (which names its shared memory and sockets), with its
+    event logs in `scratch` rather than a shared /tmp/dlrover."""
+    from dlrover.python.common.constants import NodeEnv
+    # Read by dlrover.python.training_event.config, which is not imported here: importing it starts an event
+    # log of this process in /tmp/dlrover.
+    return {NodeEnv.JOB_NAME: job, "DLROVER_EVENT_FILE_DIR": scratch}
+
+
+def cleanup(job: str, nproc: int) -> None:
+    """Frees what a DLRover job leaves behind when it ends: its agent does not unlink the shared memory that
+    holds a copy of each local rank's state, nor remove its folder of local sockets."""
+    from multiprocessing.shared_memory import SharedMemory
+    from dlrover.python.common.multi_process import SOCKET_TMP_DIR
+    from dlrover.python.elastic_agent.torch.ckpt_saver import CheckpointSharedObjPrefix
+    for rank in range(nproc):
+        try:
+            shm = SharedMemory(name=f"{job}_{CheckpointSharedObjPrefix.SHM_NAME}{rank}")
+        except FileNotFoundError:
+            continue
+        shm.close()
+        shm.unlink()
+    shutil.rmtree(os.path.join(SOCKET_TMP_DIR, job), ignore_errors=True)
 
 
 def checkpointer(engine, checkpoint_dir: str):
