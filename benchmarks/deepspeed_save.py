@@ -13,6 +13,13 @@ ranks (gloo, CPU, DS_ACCELERATOR=cpu), ZeRO-1 and ZeRO-3 in the same run. Per st
   dcp_async_save_s          torch.distributed.checkpoint.async_save of the very dicts DeepSpeed saves
                             (captured through a recording engine; the capture is included)
   restore_s / disk_load_s   in a fresh process and engine: inmem_ft's restore vs engine.load_checkpoint
+  dlrover_*                 DLRover Flash Checkpoint (benchmarks/peers/dlrover_flash.py), run under its own
+                            launcher dlrover-run: memory save (the whole save_checkpoint call blocks), disk
+                            save (the call, and until its saver has persisted the step), and the restore from
+                            its shared memory after the processes crash and are restarted (checkpointer and
+                            load_checkpoint, as install() is ours), checked bit-identical by the step and the
+                            next two losses. Optional: pip install -c constraints.txt -r
+                            benchmarks/requirements-dlrover.txt; without it these rows say "skipped" and why.
   step_overhead_interval1/10  mean step time with automatic snapshots every 1 / 10 steps over a window of
                             steps, divided by the same without snapshots
 Medians over the repeats; every figure is the slowest rank's. Local disk = the page cache (no fsync).
@@ -23,18 +30,23 @@ import argparse
 import gc
 import json
 import os
+import pathlib
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
 import report  # benchmarks/report.py (the script's own folder is on sys.path)
+from peers import dlrover_flash  # imports no DLRover until its checkpointer is asked for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = (1, 3)
 MICRO_BATCH = 4
+CRASH_EXIT = 17  # how phase_dlrover's processes end so that DLRover's launcher restarts them
 INMEM_KEYS = ("inmem_blocking_s", "inmem_commit_s", "restore_s", "step_overhead_interval1",
               "step_overhead_interval10")
 
@@ -419,13 +431,123 @@ def phase_load(args) -> dict:
     return res
 
 
+def step_loss(engine, x) -> float:
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def phase_dlrover(args) -> dict:
+    """DLRover Flash Checkpoint under its own launcher, which restarts this process after it crashes: the
+    first process times the saves and crashes with a step in DLRover's shared memory; each restarted one
+    times the restore, checks it, and crashes again until --load-repeats restores are done."""
+    import torch
+    import torch.distributed as dist
+
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    ckpt_dir = os.path.join(args.disk_dir, f"zero{args.stage}", "dlrover")
+    engine = build_engine(args, interval=10**9)
+    x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    if restart == 0:
+        res = dlrover_saves(args, engine, x, ckpt_dir)
+        res["dlrover_version"] = dlrover_flash.version()
+    else:
+        with open(args.result.format(restart=0)) as f:
+            res = dlrover_restore(engine, x, ckpt_dir, json.load(f))
+    res["crash"] = restart < args.load_repeats
+    return res
+
+
+def dlrover_saves(args, engine, x, ckpt_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    for _ in range(args.warmup):
+        train_step(engine, x)
+    ckpt = dlrover_flash.checkpointer(engine, ckpt_dir)
+    train_step(engine, x)
+    dlrover_flash.save(ckpt, engine.global_steps, to_disk=False)  # the first one allocates its shared memory
+    res = {}
+    memory = []
+    for _ in range(args.repeats):
+        train_step(engine, x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dlrover_flash.save(ckpt, engine.global_steps, to_disk=False)
+        memory.append(time.perf_counter() - t0)
+    res["dlrover_memory_save_s"] = slowest(statistics.median(memory))
+    if rank == 0:
+        report.progress(f"memory save: {res['dlrover_memory_save_s']:.3f} s")
+
+    blocking, persisted = [], []
+    for i in range(args.repeats):
+        train_step(engine, x)
+        step = engine.global_steps
+        dist.barrier()
+        t0 = time.perf_counter()
+        dlrover_flash.save(ckpt, step, to_disk=True)
+        blocking.append(time.perf_counter() - t0)
+        while dlrover_flash.persisted_step(ckpt_dir) != step:  # DLRover's saver commits behind training
+            time.sleep(0.005)
+        persisted.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0 and i > 0:
+            shutil.rmtree(os.path.join(ckpt_dir, str(step - 1)))
+    res["dlrover_disk_save_s"] = slowest(statistics.median(blocking))
+    res["dlrover_disk_persist_s"] = slowest(statistics.median(persisted))
+    if rank == 0:
+        report.progress(f"disk save: {res['dlrover_disk_save_s']:.3f} s, persisted after "
+                        f"{res['dlrover_disk_persist_s']:.3f} s")
+
+    # Restore from memory needs a disk checkpoint (DeepSpeed's `latest`, just written); memory then holds a
+    # newer step, which the restarted process must come back to: the losses of the two steps after it say so.
+    train_step(engine, x)
+    res["dlrover_crash_step"] = engine.global_steps
+    dlrover_flash.save(ckpt, engine.global_steps, to_disk=False)
+    losses = torch.tensor([step_loss(engine, x) for _ in range(2)], dtype=torch.float64)
+    every = [torch.empty_like(losses) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, losses)
+    res["dlrover_losses_after"] = [t.tolist() for t in every]
+    if rank == 0:
+        report.progress(f"step {res['dlrover_crash_step']} in memory, step {step} on disk: crashing")
+    return res
+
+
+def dlrover_restore(engine, x, ckpt_dir: str, before: dict) -> dict:
+    import torch.distributed as dist
+    if dlrover_flash.persisted_step(ckpt_dir) == before["dlrover_crash_step"]:
+        raise RuntimeError(f"DLRover's saver wrote step {before['dlrover_crash_step']} to disk before the restart: "
+                           "a restore of it would not show a restore from memory")
+    dist.barrier()
+    t0 = time.perf_counter()
+    ckpt = dlrover_flash.checkpointer(engine, ckpt_dir)
+    t1 = time.perf_counter()
+    ckpt.load_checkpoint(ckpt_dir)
+    t2 = time.perf_counter()
+    res = {"dlrover_restore_s": slowest(t2 - t0), "dlrover_restore_load_s": slowest(t2 - t1)}
+    if dist.get_rank() == 0:
+        report.progress(f"restored step {engine.global_steps} from memory in {res['dlrover_restore_s']:.3f} s")
+    # Every rank checks its own losses; the restore counts only if all ranks came back bit-identically.
+    ok = engine.global_steps == before["dlrover_crash_step"]
+    ok = ok and [step_loss(engine, x) for _ in range(2)] == before["dlrover_losses_after"][dist.get_rank()]
+    res["dlrover_restore_exact"] = slowest(0.0 if ok else 1.0) == 0.0
+    return res
+
+
 def worker(args) -> None:
     setup_worker()
     import torch.distributed as dist
-    res = {"save": phase_save, "inmem": phase_inmem, "load": phase_load}[args.phase](args)
+    res = {"save": phase_save, "inmem": phase_inmem, "load": phase_load, "dlrover": phase_dlrover}[args.phase](args)
+    crash = res.pop("crash", False)
     if dist.get_rank() == 0:
-        with open(args.result, "w") as f:
+        # A phase run under a restarting launcher leaves one result per process: {restart} in the path.
+        with open(args.result.format(restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "w") as f:
             json.dump(res, f)
+    if crash:
+        dist.barrier()
+        sys.stdout.flush()
+        os._exit(CRASH_EXIT)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -440,20 +562,33 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("decoupled_save_call_s", "  of which: save_checkpoint call"),
         ("dcp_async_save_s", "DCP async_save (blocking; capture included)"),
         ("dcp_commit_s", "  DCP until written"),
+        ("dlrover_memory_save_s", "DLRover Flash Checkpoint memory save (blocking)"),
+        ("dlrover_disk_save_s", "DLRover disk save (blocking)"),
+        ("dlrover_disk_persist_s", "  DLRover disk save until persisted"),
         ("inmem_commit_s", "inmem_ft commit behind training (copy, checksums, agreement)"),
         ("restore_s", "inmem_ft restore into a fresh engine"),
+        ("dlrover_restore_s", "DLRover restore from memory after a restart"),
+        ("dlrover_restore_load_s", "  of which: its load_checkpoint"),
         ("disk_load_s", "engine.load_checkpoint from local disk"),
         ("step_s", "step time, no snapshots"),
         ("step_overhead_interval1", "step time ratio, snapshot every step"),
         ("step_overhead_interval10", "step time ratio, snapshot every 10 steps"),
         ("ratio_vs_torch_engine", "inmem_blocking_s / torch_engine_s (target <= 0.1)"),
-        ("restore_vs_disk_load", "restore_s / disk_load_s (target <= 0.1)")]
+        ("restore_vs_disk_load", "restore_s / disk_load_s (target <= 0.1)"),
+        ("ratio_vs_dlrover_memory", "inmem_blocking_s / dlrover_memory_save_s (goal <= 0.25)"),
+        ("restore_vs_dlrover", "restore_s / dlrover_restore_s (goal <= 1.0)"),
+        ("restore_vs_dlrover_load", "  restore_s / dlrover_restore_load_s (its load alone)")]
+RATIOS = ("step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
+          "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
+# Rows printed even when no stage has them (with the reason), so that a missing figure is never silent.
+ALWAYS = INMEM_KEYS + ("ratio_vs_torch_engine", "dlrover_memory_save_s", "dlrover_disk_save_s", "dlrover_restore_s",
+                       "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
 
 
-def fmt(v, key):
+def fmt(v, key, stage: dict):
     if v is None:
-        return "missing"
-    return f"{v:.3f}" if ("ratio" in key or "overhead" in key) else f"{v:.3f} s"
+        return "skipped" if "dlrover" in key and "dlrover" in stage.get("skipped", {}) else "missing"
+    return f"{v:.3f}" if key in RATIOS else f"{v:.3f} s"
 
 
 def print_table(results: dict) -> None:
@@ -464,16 +599,23 @@ def print_table(results: dict) -> None:
     print(head)
     for key, label in ROWS:
         vals = [results["stages"][s].get(key) for s in stages]
-        if all(v is None for v in vals) and key not in INMEM_KEYS + ("ratio_vs_torch_engine",):
+        if all(v is None for v in vals) and key not in ALWAYS:
             continue
-        print(f"  {key:<26} {label:<52}" + "".join(f"{fmt(v, key):>12}" for v in vals))
+        print(f"  {key:<26} {label:<52}"
+              + "".join(f"{fmt(v, key, results['stages'][s]):>12}" for v, s in zip(vals, stages)))
     for s in stages:
         phases = results["stages"][s].get("restore_phases")
         if phases:
             print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
+        if results["stages"][s].get("dlrover_restore_exact") is False:
+            print(f"  ZeRO-{s} DLRover's restore did not come back bit-identically (step or losses differ)")
+    skips = {}  # one line per reason, naming the stages it applies to
+    for s in stages:
         for k, why in results["stages"][s].get("skipped", {}).items():
-            print(f"  ZeRO-{s} skipped {k}: {why}")
+            skips.setdefault((k, why), []).append(s)
+    for (k, why), ss in skips.items():
+        print(f"  ZeRO-{','.join(ss)} skipped {'DLRover rows' if k == 'dlrover' else k}: {why}")
 
 
 def plot(results: dict, path: str) -> None:
@@ -481,21 +623,22 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["inmem_blocking_s", "torch_engine_s", "fast_python_s", "decoupled_blocking_s", "dcp_async_save_s",
-            "restore_s", "disk_load_s"]
-    labels = ["inmem_ft\nsnapshot", "DS torch\nengine", "DS fast\n(python)", "DS\ndecoupled", "DCP\nasync_save",
-              "inmem_ft\nrestore", "DS load\n(disk)"]
+    keys = ["inmem_blocking_s", "dlrover_memory_save_s", "dlrover_disk_save_s", "torch_engine_s", "fast_python_s",
+            "decoupled_blocking_s", "dcp_async_save_s", "restore_s", "dlrover_restore_s", "disk_load_s"]
+    labels = ["inmem_ft\nsnapshot", "DLRover\nmemory", "DLRover\ndisk", "DS torch\nengine", "DS fast\n(python)",
+              "DS\ndecoupled", "DCP\nasync_save", "inmem_ft\nrestore", "DLRover\nrestore", "DS load\n(disk)"]
     stages = list(results["stages"])
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(stages)
-    colors = ["#2a7", "#c55", "#e93", "#d8a", "#59c", "#7b5", "#a44"]
+    colors = ["#2a7", "#85c", "#b9e", "#c55", "#e93", "#d8a", "#59c", "#7b5", "#85c", "#a44"]
     for j, s in enumerate(stages):
-        vals = [results["stages"][s].get(k) for k in keys]
+        stage = results["stages"][s]
+        vals = [stage.get(k) for k in keys]
         xs = [i + (j - (len(stages) - 1) / 2) * width for i in range(len(keys))]
         bars = ax.bar(xs, [v or 0 for v in vals], width, label=f"ZeRO-{s}",
                       color=colors, alpha=1.0 if j == 0 else 0.55, edgecolor="black", linewidth=0.5)
-        ax.bar_label(bars, labels=["missing" if v is None else f"{v:.2f}" for v in vals], fontsize=7, rotation=90,
-                     padding=2)
+        ax.bar_label(bars, labels=[fmt(v, k, stage).removesuffix(" s") for v, k in zip(vals, keys)], fontsize=7,
+                     rotation=90, padding=2)
     ax.set_xticks(range(len(keys)), labels)
     ax.set_ylabel("seconds (blocking / load)")
     ax.set_title(f"DeepSpeed, {results['params'] / 1e6:.0f}M params + AdamW, {results['ranks']} ranks, CPU "
@@ -506,12 +649,56 @@ def plot(results: dict, path: str) -> None:
 
 
 PHASES = {"save": "training steps and DeepSpeed's engines, DCP", "inmem": "inmem_ft snapshots and restore",
-          "load": "stock disk load"}
+          "load": "stock disk load", "dlrover": "DLRover Flash Checkpoint under dlrover-run"}
+
+
+def worker_argv(args, phase: str, result: str, stage: int, disk_dir: str, counts: dict) -> list[str]:
+    argv = [os.path.abspath(__file__), "--worker", "--phase", phase, "--result", result, "--stage", str(stage),
+            "--hidden", str(args.hidden), "--layers", str(args.layers), "--disk-dir", disk_dir]
+    return argv + [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
+
+
+def run_dlrover(argv: list[str], counts: dict, env: dict, result: str, scratch: str, name: str) -> dict:
+    """DLRover's figures for one stage: the phase under DLRover's own launcher, which restarts its processes
+    after each crash (one restore per restart). A reason in "skipped" instead when it failed."""
+    restarts = counts["load_repeats"]
+    job, log = f"inmemft-bench-{os.getpid()}-{name.lower().replace(' ', '-')}", os.path.join(scratch, "dlrover.log")
+    env = {**os.environ, **env, **dlrover_flash.job_env(job, scratch)}
+    try:
+        with open(log, "w") as out:
+            proc = subprocess.Popen(dlrover_flash.launcher(2, restarts) + argv, stdout=out, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        poll, t0 = report.echo_log(lambda: pathlib.Path(log).read_text(errors="replace"), name), time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 3600:
+            poll(time.monotonic() - t0)
+            time.sleep(1.0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its agent, local master and workers: the session it started
+            proc.wait()
+    finally:
+        dlrover_flash.cleanup(job, 2)
+    try:
+        with open(result.format(restart=0)) as f:
+            res = json.load(f)
+        restores = []
+        for n in range(1, restarts + 1):
+            with open(result.format(restart=n)) as f:
+                restores.append(json.load(f))
+    except FileNotFoundError as e:
+        print(pathlib.Path(log).read_text(errors="replace")[-4000:], file=sys.stderr)
+        return {"skipped": {"dlrover": f"dlrover-run exited {proc.returncode} before {os.path.basename(e.filename)} "
+                                       "was written (the end of its log is above)"}}
+    res.pop("dlrover_losses_after")
+    res["dlrover_restore_exact"] = all(r["dlrover_restore_exact"] for r in restores)
+    for key in ("dlrover_restore_s", "dlrover_restore_load_s"):
+        res[key] = statistics.median(r[key] for r in restores)
+    return res
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats and steps (about 5 min on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer repeats and steps (about 5 min on 2 cores; 4-5 more with DLRover installed)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="draw a PNG grouped bar chart here")
     p.add_argument("--stages", default=",".join(map(str, STAGES)), help="ZeRO stages, comma-separated")
@@ -532,6 +719,10 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(HERE))
     from inmem_ft.launcher.simulated import SimulatedCluster
 
+    dlrover_missing = dlrover_flash.missing()
+    if dlrover_missing:
+        report.say(f"DLRover rows skipped: {dlrover_missing}")
+
     q = args.quick
     counts = {"repeats": 2 if q else 3, "load_repeats": 1 if q else 2, "warmup": 1 if q else 2,
               "base_steps": 3 if q else 5, "i1_steps": 3 if q else 5, "i10_steps": 0 if q else 10}
@@ -550,10 +741,8 @@ def main() -> int:
                                   env=env) as cluster:
                 for phase in ("save", "inmem", "load"):
                     result = os.path.join(tmp, f"{phase}{stage}.json")
-                    argv = [os.path.abspath(__file__), "--worker", "--phase", phase, "--result", result,
-                            "--stage", str(stage), "--hidden", str(args.hidden), "--layers", str(args.layers),
-                            "--disk-dir", disk_dir, "--tag", res.get("torch_engine_tag", "")]
-                    argv += [x for k, v in counts.items() for x in ("--" + k.replace("_", "-"), str(v))]
+                    argv = worker_argv(args, phase, result, stage, disk_dir, counts) + [
+                        "--tag", res.get("torch_engine_tag", "")]
                     with report.phase(f"ZeRO-{stage} {PHASES[phase]}"):
                         attempt = cluster.run(argv, timeout_s=1800,
                                               poll=report.echo_worker(cluster, f"ZeRO-{stage} {phase}"))
@@ -565,6 +754,16 @@ def main() -> int:
                     skipped = {**res.get("skipped", {}), **got.pop("skipped", {})}
                     res.update(got)
                     res["skipped"] = skipped
+            # After the SMPs are gone: DLRover runs alone, under its own launcher.
+            if dlrover_missing:
+                res["skipped"]["dlrover"] = dlrover_missing
+            else:
+                result = os.path.join(tmp, f"dlrover{stage}.{{restart}}.json")
+                with report.phase(f"ZeRO-{stage} {PHASES['dlrover']}"):
+                    got = run_dlrover(worker_argv(args, "dlrover", result, stage, disk_dir, counts), counts, env,
+                                      result, os.path.join(tmp, f"logs{stage}"), f"ZeRO-{stage} dlrover")
+                res["skipped"].update(got.pop("skipped", {}))
+                res.update(got)
             shutil.rmtree(os.path.join(disk_dir, f"zero{stage}"), ignore_errors=True)
             for k in INMEM_KEYS:
                 res.setdefault(k, None)
@@ -577,6 +776,11 @@ def main() -> int:
                                             if res.get("inmem_blocking_s") is not None else None)
             res["restore_vs_disk_load"] = (res["restore_s"] / res["disk_load_s"]
                                            if res.get("restore_s") is not None else None)
+            for key, ours, theirs in (("ratio_vs_dlrover_memory", "inmem_blocking_s", "dlrover_memory_save_s"),
+                                      ("restore_vs_dlrover", "restore_s", "dlrover_restore_s"),
+                                      ("restore_vs_dlrover_load", "restore_s", "dlrover_restore_load_s")):
+                res[key] = (res[ours] / res[theirs]
+                            if res.get(ours) is not None and res.get(theirs) is not None else None)
             results["params"], results["ranks"] = res.pop("params"), res.pop("ranks")
             results["stages"][str(stage)] = res
     results["wall_s"] = time.monotonic() - t_start

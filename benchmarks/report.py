@@ -28,10 +28,15 @@ def phase(name: str):
 def echo_worker(cluster, name: str):
     """A SimulatedCluster.wait poll: echoes rank 0's progress lines of the running attempt, and says the
     phase is still running when rank 0 has said nothing for a minute."""
+    return echo_log(lambda: cluster.rank_log(cluster.attempts, 0), name)
+
+
+def echo_log(read_log, name: str):
+    """The same for any log: `read_log()` returns its text so far (for workers run by another launcher)."""
     seen, quiet_since = [0], [0.0]
 
     def poll(seconds: float) -> None:
-        lines = [line for line in cluster.rank_log(cluster.attempts, 0).splitlines() if line.startswith(PROGRESS)]
+        lines = [line for line in read_log().splitlines() if line.startswith(PROGRESS)]
         for line in lines[seen[0]:]:
             say(f"  {name}: {line[len(PROGRESS):]} ({seconds:.0f} s)")
         if len(lines) > seen[0]:
