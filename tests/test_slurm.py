@@ -238,7 +238,7 @@ def protected_step(runtime, job, node):
 
 @pytest.mark.slow
 def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical(slurm, submit, runtime, job):
-    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port())
+    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port(2))
     job_id = j.submit(steps=LONG_EC)
     wait_step(j.loss_log, 8)
     assert slurm.wait_until(lambda: all((protected_step(runtime, job, n) or 0) >= 8 for n in (0, 1)), 120)
