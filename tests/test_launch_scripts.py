@@ -215,6 +215,12 @@ def test_bad_input_is_refused_with_a_clear_message(runtime, job, env, message):
     assert not smp_alive(runtime / "run", job, 0)
 
 
+def test_sbatch_refuses_a_step_wait_that_is_not_seconds():
+    proc = subprocess.run(["bash", SBATCH, "train.py"], env=dict(os.environ, INMEM_FT_STEP_WAIT="5m"),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "INMEM_FT_STEP_WAIT='5m' must be a positive number of seconds" in proc.stderr
+
+
 def test_usage_without_a_training_script():
     proc = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "Usage" in proc.stderr

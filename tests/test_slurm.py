@@ -5,12 +5,14 @@ replaced node, a requeue, a preemption."""
 import json
 import os
 import re
+import sys
 import time
+import warnings
 
 import pytest
 
 from conftest import ROOT
-from slurm_cluster import SlurmCluster, unavailable
+from slurm_cluster import NODES, SlurmCluster, unavailable
 from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
 from test_launch_scripts import Nodes, free_port, script_env
 from inmem_ft.errors import SMPUnavailable
@@ -26,16 +28,21 @@ SCRIPT = "launch/slurm_inmem.sbatch"
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(request, tmp_path_factory):
     why = unavailable()
     if why:
         pytest.skip(why)
     cluster = SlurmCluster()
+    failed = request.session.testsfailed
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        # A failure's story is in the daemons' logs: they outlive the cluster in pytest's tmp dirs.
+        logs = tmp_path_factory.mktemp("slurm-logs")
+        cluster.stop(keep_logs=str(logs))
+        if sys.exc_info()[0] is not None or request.session.testsfailed > failed:
+            warnings.warn(f"the SLURM daemons' logs are kept in {logs}")
 
 
 class Job:
@@ -160,6 +167,13 @@ def spilled(spill_dir, job) -> dict[int, list[str]]:
     return {int(d.name[4:]): sorted(f.name for f in d.iterdir()) for d in sorted(base.iterdir())}
 
 
+def assert_batch_outlived_its_step(slurm, job_id, nodes=NODES):
+    """The first attempt's batch script ended only after its step's tasks (it waits for srun, which waits for
+    them): nothing of that attempt was left to signal step 0 of the next one."""
+    batch = slurm.task_exits(slurm.job_field(job_id, "BatchHost"), job_id, "batch")[0]
+    assert all(slurm.task_exits(node, job_id, "0")[0] <= batch for node in nodes), (job_id, batch)
+
+
 def wipe_memory(job):
     """What a reboot or another job's cleanup does to the nodes' shared memory."""
     for seg in names_with_prefix(f"inmemft.{job}."):
@@ -198,6 +212,7 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
         assert f"event=adopt rank={2 * node} slot=0 step={max(s for r, s in held[node] if r == 2 * node)} " \
                f"from=disk" in (runtime / "run" / j.job / f"node{node}.log").read_text()
     assert_resumed_exactly(before, read_losses(resumed_log), step)
+    assert_batch_outlived_its_step(slurm, first)
 
 
 @pytest.mark.slow
@@ -226,6 +241,7 @@ def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_dis
     assert restores == {(str(rank), str(step), source) for rank in range(4)}
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step)
+    assert_batch_outlived_its_step(slurm, job_id)
 
 
 def protected_step(runtime, job, node):
@@ -267,3 +283,4 @@ def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical
     assert "event=rebuild_start" in (runtime / "run" / job / "node1.log").read_text()
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step, LONG_EC)
+    assert_batch_outlived_its_step(slurm, job_id, ["n0"])  # n1's tasks died with it
