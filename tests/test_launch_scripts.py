@@ -4,12 +4,14 @@ with NODE_RANK 0 and 1) of the plain PyTorch example; both scripts checked by ba
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -158,6 +160,32 @@ def test_rank_killed_torchrun_restarts_all_and_resumes_bit_identical(nodes, clea
         assert "event=smp_stopped wiped=1" in out
         assert not smp_alive(nodes.runtime_dir, nodes.job, node)
     assert names_with_prefix(f"inmemft.{nodes.job}.") == []
+
+
+def test_signalled_with_wipe_on_exit_spills_first_then_wipes(runtime, job):
+    """Preempted with INMEM_FT_WIPE_ON_EXIT=1: shared memory is freed, and a later job still finds the spill."""
+    spill, out = runtime / "spill", runtime / "launch.out"
+    env = script_env(runtime / "run", job, nnodes=1, NODE_RANK=0, INMEM_FT_SPILL_DIR=spill, INMEM_FT_WIPE_ON_EXIT=1)
+    sock = os.path.join(runtime / "run", job, "node0.sock")
+    with open(out, "w") as f:
+        proc = subprocess.Popen(["bash", SCRIPT, "-m", "inmem_ft.examples.plain_pytorch", "--steps", "100000",
+                                 "--interval", str(INTERVAL)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=runtime)
+    try:
+        deadline = time.monotonic() + 120
+        while not (smp_alive(runtime / "run", job, 0) and control.call(sock, "status")["complete_step"]):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert re.search(r"event=smp_stopped wiped=1 by=SIGTERM pid=\d+", text), text
+    assert names_with_prefix(f"inmemft.{job}.") == []
+    spilled = os.listdir(spill / job / "node0")
+    assert spilled and all(re.fullmatch(r"r0\.step\d+\.slot", name) for name in spilled), spilled
 
 
 TRAINER = r"""
