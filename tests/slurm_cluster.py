@@ -175,15 +175,19 @@ class SlurmCluster:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-        for name in [*NODES, "slurmctld", "munged"]:
-            pid = self.pids.pop(name, None)
-            if pid is not None:
+        # All at once: each daemon takes 2-5 s to exit, one after the other they took 11 s.
+        pids = [pid for pid in (self.pids.pop(name, None) for name in [*NODES, "slurmctld", "munged"]) if pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        if not self.wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), 15):
+            for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    continue
-                if not self.wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 15):
                     os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         if keep_logs is not None:
             for log in (os.path.join(self.dir, "log"), os.path.join(self.dir, "munge", "munged.log")):
                 if os.path.isdir(log):
