@@ -35,7 +35,8 @@
 #                           environment only: never on a command line, never in the trainers' environment.
 #   INMEM_FT_SMP_ARGS       extra arguments for `inmem-ft smp start` (split on whitespace), e.g. the EC
 #                           options "--parity 1 --nodes 4 --peers 0=node0:7100,1=node1:7100,..."
-#   INMEM_FT_WIPE_ON_EXIT   1: delete this node's snapshots when the job ends (default 0: keep them)
+#   INMEM_FT_WIPE_ON_EXIT   1: delete this node's snapshots from shared memory when the job ends (default 0:
+#                           keep them); when signalled, after the SMP has spilled (INMEM_FT_SPILL_DIR)
 #   INMEM_FT_SPILL_DIR      a directory (shared or node-local disk) where the SMP, when this launcher is
 #                           signalled (preemption, scancel, requeue, time limit), writes the newest step
 #                           complete on every rank before it exits; a later SMP of the same job and node
@@ -170,20 +171,23 @@ smp_running() { "${smp[@]}" status "${node_args[@]}" >/dev/null 2>&1; }
 alive() { [[ -r "/proc/$1/status" ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
 # shellcheck disable=SC2317  # called from the EXIT trap
 stop_smp() {
-    local wipe=() rc pid
+    local wipe=() rc pid wiped
     [[ -n "$smp_done" ]] && return
     smp_done=1
-    if [[ -n "$signalled" && "${INMEM_FT_WIPE_ON_EXIT:-0}" != 1 ]]; then
+    [[ "${INMEM_FT_WIPE_ON_EXIT:-0}" == 1 ]] && wipe=(--wipe)
+    if [[ -n "$signalled" ]]; then
         # Stopped from outside (preemption, scancel, requeue, time limit): the SMP gets SIGTERM, on which it
-        # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one.
+        # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one;
+        # only then are its segments wiped (INMEM_FT_WIPE_ON_EXIT=1), so that a later job still resumes.
         pid="$("${smp[@]}" status "${node_args[@]}" 2>/dev/null | sed -n '1s/.* pid \([0-9]*\) .*/\1/p')"
         if [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null; then
             while alive "$pid"; do sleep 0.2; done
-            log "smp_stopped wiped=0 by=SIGTERM pid=$pid"
+            wiped=0  # no SMP runs any more: --wipe removes what it left in /dev/shm
+            (( ${#wipe[@]} )) && "${smp[@]}" stop "${node_args[@]}" --wipe >/dev/null 2>&1 && wiped=1
+            log "smp_stopped wiped=$wiped by=SIGTERM pid=$pid"
             return
         fi
     fi
-    [[ "${INMEM_FT_WIPE_ON_EXIT:-0}" == 1 ]] && wipe=(--wipe)
     "${smp[@]}" stop "${node_args[@]}" "${wipe[@]}" >/dev/null 2>&1
     rc=$?
     if (( rc == 0 )); then

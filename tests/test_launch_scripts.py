@@ -3,12 +3,15 @@ with NODE_RANK 0 and 1) of the plain PyTorch example; both scripts checked by ba
 (tests/test_slurm.py runs the sbatch script on a real SLURM)."""
 import json
 import os
+import random
+import re
 import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -25,10 +28,22 @@ STEPS, INTERVAL, DIE_AT = 12, 3, 7  # the restarted attempt resumes from the sna
 EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports free now, below the kernel's ephemeral range. These tests listen
+    on their ports again after a restart or a re-queue (torchrun's store, the SMPs' peer ports, a replacement
+    slurmd); a port from the ephemeral range may meanwhile be some other process's outgoing connection, and
+    the bind fails (seen: a re-queued SMP exited with EADDRINUSE on this busy host)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    while True:
+        first = random.randrange(10000, ephemeral - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 def script_env(runtime_dir, job, nnodes=2, **extra) -> dict:
@@ -147,6 +162,32 @@ def test_rank_killed_torchrun_restarts_all_and_resumes_bit_identical(nodes, clea
     assert names_with_prefix(f"inmemft.{nodes.job}.") == []
 
 
+def test_signalled_with_wipe_on_exit_spills_first_then_wipes(runtime, job):
+    """Preempted with INMEM_FT_WIPE_ON_EXIT=1: shared memory is freed, and a later job still finds the spill."""
+    spill, out = runtime / "spill", runtime / "launch.out"
+    env = script_env(runtime / "run", job, nnodes=1, NODE_RANK=0, INMEM_FT_SPILL_DIR=spill, INMEM_FT_WIPE_ON_EXIT=1)
+    sock = os.path.join(runtime / "run", job, "node0.sock")
+    with open(out, "w") as f:
+        proc = subprocess.Popen(["bash", SCRIPT, "-m", "inmem_ft.examples.plain_pytorch", "--steps", "100000",
+                                 "--interval", str(INTERVAL)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=runtime)
+    try:
+        deadline = time.monotonic() + 120
+        while not (smp_alive(runtime / "run", job, 0) and control.call(sock, "status")["complete_step"]):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert re.search(r"event=smp_stopped wiped=1 by=SIGTERM pid=\d+", text), text
+    assert names_with_prefix(f"inmemft.{job}.") == []
+    spilled = os.listdir(spill / job / "node0")
+    assert spilled and all(re.fullmatch(r"r0\.step\d+\.slot", name) for name in spilled), spilled
+
+
 TRAINER = r"""
 import json, os, sys
 from inmem_ft.smp import control
@@ -200,6 +241,12 @@ def test_bad_input_is_refused_with_a_clear_message(runtime, job, env, message):
     assert message in proc.stderr
     assert f"[inmem_ft] launch node={full['NODE_RANK']} event=error rc={proc.returncode}" in proc.stderr
     assert not smp_alive(runtime / "run", job, 0)
+
+
+def test_sbatch_refuses_a_step_wait_that_is_not_seconds():
+    proc = subprocess.run(["bash", SBATCH, "train.py"], env=dict(os.environ, INMEM_FT_STEP_WAIT="5m"),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "INMEM_FT_STEP_WAIT='5m' must be a positive number of seconds" in proc.stderr
 
 
 def test_usage_without_a_training_script():

@@ -5,12 +5,14 @@ replaced node, a requeue, a preemption."""
 import json
 import os
 import re
+import sys
 import time
+import warnings
 
 import pytest
 
 from conftest import ROOT
-from slurm_cluster import SlurmCluster, unavailable
+from slurm_cluster import NODES, SlurmCluster, unavailable
 from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
 from test_launch_scripts import Nodes, free_port, script_env
 from inmem_ft.errors import SMPUnavailable
@@ -26,16 +28,21 @@ SCRIPT = "launch/slurm_inmem.sbatch"
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(request, tmp_path_factory):
     why = unavailable()
     if why:
         pytest.skip(why)
     cluster = SlurmCluster()
+    failed = request.session.testsfailed
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        # A failure's story is in the daemons' logs: they outlive the cluster in pytest's tmp dirs.
+        logs = tmp_path_factory.mktemp("slurm-logs")
+        cluster.stop(keep_logs=str(logs))
+        if sys.exc_info()[0] is not None or request.session.testsfailed > failed:
+            warnings.warn(f"the SLURM daemons' logs are kept in {logs}")
 
 
 class Job:
@@ -154,10 +161,23 @@ def assert_resumed_exactly(first: dict, second: dict, step: int, last: int = LON
     assert {s: second[s] for s in first if s > step} == {s: first[s] for s in first if s > step}
 
 
-def spilled(spill_dir, job) -> dict[int, list[str]]:
-    """node -> the spill files of that node."""
+def spilled(spill_dir, job) -> dict[int, set[tuple[int, int]]]:
+    """node -> (rank, step) of each of that node's spill files."""
     base = spill_dir / job
-    return {int(d.name[4:]): sorted(f.name for f in d.iterdir()) for d in sorted(base.iterdir())}
+    return {int(d.name[4:]): {(int(r), int(s)) for f in d.iterdir()
+                              for r, s in re.findall(r"^r(\d+)\.step(\d+)\.slot$", f.name)}
+            for d in sorted(base.iterdir())}
+
+
+def smp_log(runtime, job, node) -> str:
+    return (runtime / "run" / job / f"node{node}.log").read_text()
+
+
+def assert_batch_outlived_its_step(slurm, job_id, nodes=NODES):
+    """The first attempt's batch script ended only after its step's tasks (it waits for srun, which waits for
+    them): nothing of that attempt was left to signal step 0 of the next one."""
+    batch = slurm.task_exits(slurm.job_field(job_id, "BatchHost"), job_id, "batch")[0]
+    assert all(slurm.task_exits(node, job_id, "0")[0] <= batch for node in nodes), (job_id, batch)
 
 
 def wipe_memory(job):
@@ -178,14 +198,24 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     for node in (0, 1):
         assert f"[inmem_ft] launch node={node} event=signal sig=TERM" in out
         assert re.search(f"launch node={node} event=smp_stopped wiped=0 by=SIGTERM", out), out[-4000:]
-    files = spilled(spill, j.job)
-    held = {node: {(int(r), int(s)) for f in names for r, s in re.findall(r"r(\d+)\.step(\d+)", f)}
-            for node, names in files.items()}
-    # A newer step may be spilled for only some ranks (SIGTERM landed while it was being committed); the
-    # newest step spilled for every rank of both nodes is the one a new job resumes from.
-    step = max(set.intersection(*({s for r, s in held[n] if r == rank} for n in (0, 1) for rank in (2 * n, 2 * n + 1))))
+    held = spilled(spill, j.job)
+    logs = {node: smp_log(runtime, j.job, node) for node in (0, 1)}
     for node in (0, 1):
-        assert "event=spill steps=" in (runtime / "run" / j.job / f"node{node}.log").read_text()
+        # What each SMP says it spilled is what lies on disk, and only what its ranks committed.
+        [(steps, files)] = re.findall(r"event=spill steps=([\d,]+) files=(\d+)", logs[node])
+        assert {s for _, s in held[node]} == set(map(int, steps.split(","))) and int(files) == len(held[node])
+        assert {r for r, _ in held[node]} == {2 * node, 2 * node + 1}
+        assert held[node] <= {(int(r), int(s)) for r, s in re.findall(r"event=commit rank=(\d+) step=(\d+)",
+                                                                        logs[node])}
+    by_rank = {rank: {s for n in (0, 1) for r, s in held[n] if r == rank} for rank in range(4)}
+    step = max(set.intersection(*by_rank.values()))  # the newest step spilled for every rank: the one to resume
+    # No older than the newest step the trainers saw complete before the SIGTERM.
+    complete = {int(s) for s in re.findall(r"step=(\d+) event=committed complete=True", out)}
+    assert step >= max(complete)
+    # SIGTERM may land while a step is being committed: then a newer step, never complete, is spilled for
+    # some ranks only.
+    partial = {(rank, s) for rank, steps in by_rank.items() for s in steps if s > step}
+    assert not {s for _, s in partial} & complete
     before = read_losses(j.loss_log)
 
     wipe_memory(j.job)  # the nodes go to the preempting job: nothing of ours stays in memory
@@ -195,9 +225,15 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     for rank in range(4):
         assert f"restore rank={rank} step={step} source=disk_spill" in out
     for node in (0, 1):
-        assert f"event=adopt rank={2 * node} slot=0 step={max(s for r, s in held[node] if r == 2 * node)} " \
-               f"from=disk" in (runtime / "run" / j.job / f"node{node}.log").read_text()
+        log = smp_log(runtime, j.job, node)[len(logs[node]):]
+        # Every spilled slot is taken back; one of a step newer than the resumed one is then given up.
+        assert {(int(r), int(s)) for r, s in re.findall(r"event=adopt rank=(\d+) slot=\d+ step=(\d+) from=disk",
+                                                          log)} == held[node]
+        for rank, s in partial:
+            if rank // 2 == node:
+                assert f"event=discard rank={rank} step={s} reason=job resumed from step {step}" in log
     assert_resumed_exactly(before, read_losses(resumed_log), step)
+    assert_batch_outlived_its_step(slurm, first)
 
 
 @pytest.mark.slow
@@ -226,6 +262,7 @@ def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_dis
     assert restores == {(str(rank), str(step), source) for rank in range(4)}
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step)
+    assert_batch_outlived_its_step(slurm, job_id)
 
 
 def protected_step(runtime, job, node):
@@ -238,7 +275,7 @@ def protected_step(runtime, job, node):
 
 @pytest.mark.slow
 def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical(slurm, submit, runtime, job):
-    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port())
+    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port(2))
     job_id = j.submit(steps=LONG_EC)
     wait_step(j.loss_log, 8)
     assert slurm.wait_until(lambda: all((protected_step(runtime, job, n) or 0) >= 8 for n in (0, 1)), 120)
@@ -267,3 +304,4 @@ def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical
     assert "event=rebuild_start" in (runtime / "run" / job / "node1.log").read_text()
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step, LONG_EC)
+    assert_batch_outlived_its_step(slurm, job_id, ["n0"])  # n1's tasks died with it
