@@ -17,7 +17,7 @@ def roundtrip(state, dp_rank=0, dp_size=1):
     data = torch.zeros(p.data_len, dtype=torch.uint8)
     from inmem_ft.capture.copier import Copier
 
-    Copier(None).copy(flat.leaves, p.copies, data)
+    Copier(None).copy(flat.values, p, data)
     seg.region_hashes(data.numpy(), p.manifest)
     manifest = json.loads(seg.encode_manifest(p.manifest))  # through JSON, as in shared memory
     replicated = None
@@ -136,7 +136,7 @@ def test_corruption_is_detected_at_every_level():
     data = torch.frombuffer(buf, dtype=torch.uint8)[header.data_off: header.data_off + p.data_len]
     from inmem_ft.capture.copier import Copier
 
-    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    Copier(None).copy(flatten(state).values, p, data)
     seg.region_hashes(memoryview(buf)[header.data_off:], p.manifest)
     raw = seg.encode_manifest(p.manifest)
     buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
@@ -183,7 +183,7 @@ def test_copy_verified_copies_every_region_and_names_a_corrupted_one(workers):
              "rep": Replicated({"w": torch.randn(10_000)})}
     p = plan(flatten(state), step=4, rank=1, world_size=2, dp_rank=1, dp_size=2)
     data = torch.zeros(p.data_len, dtype=torch.uint8)
-    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    Copier(None).copy(flatten(state).values, p, data)
     seg.region_hashes(data.numpy(), p.manifest)
     out = seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)
     for start, end, _, _ in seg.regions(p.manifest):

@@ -10,6 +10,7 @@ import base64
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,11 @@ class Replicated:
         self.tree = tree
 
 
+def nbytes(value) -> int:
+    """Bytes of a tensor's or array's elements."""
+    return int(value.nbytes) if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+
+
 @dataclass
 class Leaf:
     value: Any  # torch.Tensor or np.ndarray, as captured (possibly on an accelerator)
@@ -61,8 +67,7 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
-        v = self.value
-        return int(v.nbytes) if self.is_array else v.numel() * v.element_size()
+        return nbytes(self.value)
 
     @property
     def dtype_name(self) -> str:
@@ -72,30 +77,105 @@ class Leaf:
 @dataclass
 class FlatState:
     tree: Any
-    leaves: list[Leaf] = field(default_factory=list)
+    values: list = field(default_factory=list)
+    """The leaves' tensors and arrays in leaf order, as the caller holds them (copies run under no_grad)."""
+    replicated: list[tuple[int, int]] = field(default_factory=list)
+    """Leaf index ranges [start, end) first met under a Replicated marker."""
+    shards: dict[int, tuple[ShardSpec, ...]] = field(default_factory=dict)
+
+    @cached_property
+    def leaves(self) -> list[Leaf]:
+        """One Leaf per value, for planning. The snapshot hot path uses `values` and never builds these."""
+        rep = bytearray(len(self.values))
+        for a, b in self.replicated:
+            rep[a:b] = b"\x01" * (b - a)
+        return [Leaf(v, bool(rep[i]), self.shards.get(i, ())) for i, v in enumerate(self.values)]
+
+    def path_of(self, leaf: int) -> str:
+        """Where leaf `leaf` sits in the state, for error messages (a walk of the tree: not for hot paths)."""
+        def find(node, path):
+            if isinstance(node, list):
+                items = ((f"{path}[{i}]", v) for i, v in enumerate(node))
+            elif isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("T", "A"):
+                return path if next(iter(node.values())) == leaf else None
+            elif isinstance(node, dict):
+                (tag, val), *_ = node.items()
+                if tag in ("d", "od"):
+                    items = ((f"{path}.{k}", v) for k, v in val.items())
+                elif tag == "dk":
+                    items = ((f"{path}[{i}]", v) for i, (_, v) in enumerate(val))
+                else:
+                    items = ((path, v) for v in (val if tag == "tu" else [val]))
+            else:
+                return None
+            for p, v in items:
+                found = find(v, p)
+                if found:
+                    return found
+            return None
+
+        return find(self.tree, "state") or f"leaf #{leaf}"
 
 
-def _key_is_plain(k) -> bool:
-    return isinstance(k, str)
+# Containers at least this long whose values are all plain tensors take the bulk path: one C-level pass per
+# container instead of a Python call per element (a 10^5-tensor state dict is one such container).
+_BULK_MIN = 8
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+# {"T": i} of the bulk path, shared by every tree: a tree is only ever read (encoded to JSON), never changed.
+_TENSOR_REFS: list[dict] = []
+
+
+def _tensor_refs(start: int, n: int) -> list[dict]:
+    if len(_TENSOR_REFS) < start + n:
+        _TENSOR_REFS.extend({"T": i} for i in range(len(_TENSOR_REFS), start + n))
+    return _TENSOR_REFS[start: start + n]
+
+
+class _Refused(Exception):
+    """A value that cannot be stored; containers add their key on the way up, so the path is only built on
+    failure."""
+
+    def __init__(self, reason: str):
+        self.reason, self.where = reason, []
+
+    def at(self, step: str) -> "_Refused":
+        self.where.append(step)
+        return self
 
 
 class _Flattener:
     def __init__(self):
-        self.leaves: list[Leaf] = []
+        self.values: list = []
+        self.replicated: list[tuple[int, int]] = []
+        self.shards: dict[int, tuple[ShardSpec, ...]] = {}
         self._seen: dict[int, int] = {}  # id(tensor) -> leaf index: tied weights are stored once
-        self._replicated = False
+        self._in_replicated = False
 
-    def leaf(self, value, shards=(), key=None) -> dict:
+    def leaf(self, value, key: int, shards=()) -> dict:
         # Keyed by the caller's object, which the state keeps alive, so ids cannot be recycled meanwhile.
-        key = id(value) if key is None else key
         idx = self._seen.get(key)
         if idx is None:
-            idx = len(self.leaves)
-            self._seen[key] = idx
-            self.leaves.append(Leaf(value, self._replicated, shards))
+            idx = self._seen[key] = len(self.values)
+            self.values.append(value)
+            if shards:
+                self.shards[idx] = shards
         return {"A" if isinstance(value, np.ndarray) else "T": idx}
 
-    def encode(self, obj: Any, path: str) -> Any:
+    def bulk(self, values: list) -> list | None:
+        """Refs for a run of plain tensors none of which was seen before, in C-level passes; None when the
+        run is short, holds anything else, or repeats a tensor (then element by element)."""
+        n = len(values)
+        if n < _BULK_MIN or not set(map(type, values)) <= _PLAIN_TENSORS:
+            return None
+        start = len(self.values)
+        fresh = dict(zip(map(id, values), range(start, start + n)))
+        if len(fresh) != n or not self._seen.keys().isdisjoint(fresh):
+            return None
+        self._seen.update(fresh)
+        self.values.extend(values)
+        return _tensor_refs(start, n)
+
+    def encode(self, obj: Any) -> Any:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int) and type(obj) is int:
@@ -103,29 +183,31 @@ class _Flattener:
         if type(obj) is float:
             return obj if math.isfinite(obj) else {"f": repr(obj)}
         if isinstance(obj, torch.Tensor):
-            return self.tensor(obj, path)
+            return self.leaf(obj, id(obj))
         if isinstance(obj, Sharded):
-            return self.tensor(obj.tensor, path, obj.specs)
+            return self.leaf(obj.tensor, id(obj.tensor), obj.specs)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                raise UnsafeType(f"{path}: numpy array of Python objects cannot be stored without pickle")
-            return self.leaf(obj)
+                raise _Refused("numpy array of Python objects cannot be stored without pickle")
+            return self.leaf(obj, id(obj))
         if isinstance(obj, np.generic):
-            return {"np": obj.dtype.str, "v": self.encode(obj.item(), path)}
+            return {"np": obj.dtype.str, "v": self.encode(obj.item())}
         if isinstance(obj, Replicated):
-            if self._replicated:
-                return self.encode(obj.tree, path)
-            self._replicated = True
+            if self._in_replicated:
+                return self.encode(obj.tree)
+            self._in_replicated, start = True, len(self.values)
             try:
-                return {"R": self.encode(obj.tree, path)}
+                return {"R": self.encode(obj.tree)}
             finally:
-                self._replicated = False
+                self._in_replicated = False
+                if len(self.values) > start:
+                    self.replicated.append((start, len(self.values)))
         if isinstance(obj, dict):
-            return self.mapping(obj, path)
+            return self.mapping(obj)
         if isinstance(obj, list):
-            return [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return self.sequence(obj)
         if type(obj) is tuple:
-            return {"tu": [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+            return {"tu": self.sequence(obj)}
         if isinstance(obj, bytes):
             return {"b": base64.b64encode(obj).decode()}
         if isinstance(obj, torch.Size):
@@ -134,47 +216,82 @@ class _Flattener:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
-        return self.registered(obj, path)
+        return self.registered(obj)
 
-    def tensor(self, t: torch.Tensor, path: str, shards=()) -> dict:
-        if t.layout != torch.strided or t.is_quantized:
-            raise UnsafeType(f"{path}: {t.layout} tensors are not supported; convert to a dense tensor first")
-        return self.leaf(t.detach(), shards, key=id(t))
+    def sequence(self, obj) -> list:
+        refs = self.bulk(obj if type(obj) is list else list(obj))
+        if refs is not None:
+            return refs
+        out = []
+        for i, v in enumerate(obj):
+            try:
+                out.append(self.encode(v))
+            except _Refused as e:
+                raise e.at(f"[{i}]")
+        return out
 
-    def mapping(self, obj: dict, path: str) -> dict:
+    def mapping(self, obj: dict) -> dict:
         ordered = type(obj) is OrderedDict
         if type(obj) not in (dict, OrderedDict):
             if not safe_types.is_registered(type(obj)):
-                raise UnsafeType(f"{path}: dict subclass {type(obj).__qualname__} is not registered; "
-                                 f"call inmem_ft.snapshot.register_safe_class({type(obj).__qualname__})")
-        if all(_key_is_plain(k) for k in obj):
-            out = {"od" if ordered else "d": {k: self.encode(v, f"{path}.{k}") for k, v in obj.items()}}
+                raise _Refused(f"dict subclass {type(obj).__qualname__} is not registered; "
+                               f"call inmem_ft.snapshot.register_safe_class({type(obj).__qualname__})")
+        keys = list(obj)
+        if set(map(type, keys)) <= {str} or all(isinstance(k, str) for k in keys):
+            refs = self.bulk(list(obj.values()))
+            if refs is not None:
+                items = dict(zip(keys, refs))
+            else:
+                items = {}
+                for k, v in obj.items():
+                    try:
+                        items[k] = self.encode(v)
+                    except _Refused as e:
+                        raise e.at(f".{k}")
+            out = {"od" if ordered else "d": items}
         else:
-            out = {"dk": [[self.encode(k, f"{path}<key>"), self.encode(v, f"{path}[{k!r}]")]
-                          for k, v in obj.items()], "o": ordered}
+            pairs = []
+            for k, v in obj.items():
+                try:
+                    ek = self.encode(k)
+                except _Refused as e:
+                    raise e.at("<key>")
+                try:
+                    pairs.append([ek, self.encode(v)])
+                except _Refused as e:
+                    raise e.at(f"[{k!r}]")
+            out = {"dk": pairs, "o": ordered}
         # nn.Module.state_dict() carries per-module versions here; load_state_dict reads them.
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
-            out["m"] = self.encode(dict(meta), f"{path}._metadata")
+            try:
+                out["m"] = self.encode(dict(meta))
+            except _Refused as e:
+                raise e.at("._metadata")
         return out
 
-    def registered(self, obj: Any, path: str) -> dict:
+    def registered(self, obj: Any) -> dict:
         cls = type(obj)
         if not safe_types.is_registered(cls):
-            raise UnsafeType(
-                f"{path}: value of type {cls.__module__}.{cls.__qualname__} cannot be stored without pickle; "
+            raise _Refused(
+                f"value of type {cls.__module__}.{cls.__qualname__} cannot be stored without pickle; "
                 f"convert it to plain data, or allow it with inmem_ft.snapshot.register_safe_class("
                 f"{cls.__qualname__}) if its __dict__ holds only data")
         name = safe_types.class_name(cls)
         if safe_types.is_enum(cls):
-            return {"enum": name, "v": self.encode(obj.value, path)}
-        return {"obj": name, "s": self.encode(dict(vars(obj)), path)}
+            return {"enum": name, "v": self.encode(obj.value)}
+        return {"obj": name, "s": self.encode(dict(vars(obj)))}
 
 
 def flatten(state: Any) -> FlatState:
+    """The state as a JSON tree plus its leaves. Cheap per tensor: the bytes, dtypes and shapes are read by
+    whoever plans and copies them."""
     f = _Flattener()
-    tree = f.encode(state, "state")
-    return FlatState(tree, f.leaves)
+    try:
+        tree = f.encode(state)
+    except _Refused as e:
+        raise UnsafeType(f"state{''.join(reversed(e.where))}: {e.reason}") from None
+    return FlatState(tree, f.values, f.replicated, f.shards)
 
 
 def _decode(node: Any, leaves: list) -> Any:
