@@ -72,6 +72,35 @@ def test_tied_tensors_are_stored_once():
     w = torch.randn(100)
     flat = flatten({"a": w, "b": w})
     assert len(flat.leaves) == 1
+    # Also inside containers long enough for the bulk path, and across containers.
+    big = {f"l{i}": torch.randn(3) for i in range(20)}
+    big["l7"] = big["l2"]
+    state = {"w": w, "big": big, "again": [w, big["l5"]]}
+    assert len(flatten(state).values) == 20
+    back, _ = roundtrip(state)
+    assert_same(back, state)
+    assert back["big"]["l7"] is back["big"]["l2"] and back["again"][0] is back["w"]
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_batched_replicated_region_reassembles_from_every_share(dp_size):
+    from inmem_ft.capture.copier import Copier
+
+    rep = {f"w{i}": torch.randn(5, 3) for i in range(30)}
+    state = {"own": [torch.randn(7) for _ in range(10)],
+             "rep": Replicated({**rep, "s": torch.tensor(2.0), "t": torch.tensor(3.0), "b": torch.randn(11)})}
+    region = None
+    for r in range(dp_size):
+        flat = flatten(state)
+        p = plan(flat, step=1, rank=r, world_size=dp_size, dp_rank=r, dp_size=dp_size)
+        assert p.batches  # runs of same-shape tensors are one copy, also where a share boundary cuts them
+        data = torch.zeros(p.data_len, dtype=torch.uint8)
+        Copier(None).copy(flat.values, p, data)
+        share = p.manifest["replicated"]
+        region = torch.zeros(share["total"], dtype=torch.uint8) if region is None else region
+        region[share["lo"]: share["hi"]] = data[share["o"]: share["o"] + share["hi"] - share["lo"]]
+    back = unpack(json.loads(seg.encode_manifest(p.manifest)), data, region)
+    assert_same(back, {**state, "rep": state["rep"].tree})
 
 
 def test_shard_specs_are_recorded():

@@ -94,10 +94,12 @@ def _schedule(leaves, groups, entries, where, lo, hi, base, copies, batches) -> 
             elif max(lo, a) < min(hi, a + n):
                 copies.append(Copy(i, max(lo, a) - a, min(hi, a + n) - a, base + max(lo, a) - lo))
         key = _batch_key(leaves[whole[0]]) if whole else None
-        if len(whole) > 1 and key is not None:
-            start = entries[whole[0]][where]
+        dst = base + entries[whole[0]][where] - lo if whole else 0
+        # A data-parallel share may start anywhere in the replicated region: its tensors can then only be
+        # copied as bytes (pack.copy_into), not viewed as their dtype.
+        if len(whole) > 1 and key is not None and dst % key[0].itemsize == 0:
             end = entries[whole[-1]][where] + leaves[whole[-1]].nbytes
-            batches.append(Batch(tuple(whole), base + start - lo, end - start, *key))
+            batches.append(Batch(tuple(whole), dst, end - entries[whole[0]][where], *key))
         else:
             copies.extend(Copy(i, 0, leaves[i].nbytes, base + entries[i][where] - lo) for i in whole)
 

@@ -26,10 +26,12 @@ def _source_bytes(value, lo: int, hi: int, whole: bool):
 
 def copy_into(dst: torch.Tensor, value, c: Copy) -> None:
     """Bytes [c.lo, c.hi) of leaf `value` into `dst` (a uint8 tensor of that many bytes, any device)."""
-    whole = c.lo == 0 and c.hi == nbytes(value)
+    # Whole tensors are copied as themselves (any strides), unless `dst` cannot be viewed as their dtype.
+    whole = c.lo == 0 and c.hi == nbytes(value) and isinstance(value, torch.Tensor) \
+        and dst.storage_offset() % value.element_size() == 0
     src = _source_bytes(value, c.lo, c.hi, whole)
     with torch.no_grad():
-        if whole and isinstance(value, torch.Tensor):
+        if whole:
             dst.view(value.dtype).view(value.shape).copy_(src)
         else:
             dst.copy_(src)

@@ -7,6 +7,7 @@ Python and numpy RNG states are plain tuples/arrays and ride along with no speci
 from __future__ import annotations
 
 import base64
+import gc
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -76,12 +77,23 @@ class Leaf:
 
 @dataclass
 class FlatState:
-    tree: Any
+    skeleton: Any
+    """The JSON tree, but for the bulk dicts listed in `lazy` (see `tree`)."""
     values: list = field(default_factory=list)
     """The leaves' tensors and arrays in leaf order, as the caller holds them (copies run under no_grad)."""
     replicated: list[tuple[int, int]] = field(default_factory=list)
     """Leaf index ranges [start, end) first met under a Replicated marker."""
     shards: dict[int, tuple[ShardSpec, ...]] = field(default_factory=dict)
+    lazy: list = field(default_factory=list)
+
+    @property
+    def tree(self) -> Any:
+        """The state's JSON tree. Its bulk dicts (10^5 keys of a state dict) are spelled out on first use,
+        which for a snapshot under a reused layout is on the commit thread."""
+        for container, key in self.lazy:
+            container[key] = container[key].spelled()
+        self.lazy = []
+        return self.skeleton
 
     @cached_property
     def leaves(self) -> list[Leaf]:
@@ -121,6 +133,7 @@ class FlatState:
 # container instead of a Python call per element (a 10^5-tensor state dict is one such container).
 _BULK_MIN = 8
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_JSON_PLAIN = frozenset({str, int, bool, type(None)})  # exact types JSON holds as they are
 # {"T": i} of the bulk path, shared by every tree: a tree is only ever read (encoded to JSON), never changed.
 _TENSOR_REFS: list[dict] = []
 
@@ -129,6 +142,18 @@ def _tensor_refs(start: int, n: int) -> list[dict]:
     if len(_TENSOR_REFS) < start + n:
         _TENSOR_REFS.extend({"T": i} for i in range(len(_TENSOR_REFS), start + n))
     return _TENSOR_REFS[start: start + n]
+
+
+class _Keyed:
+    """A dict's keys over tensor leaves start, start+1, ...: the dict of refs is built when the tree is read."""
+
+    __slots__ = ("keys", "start")
+
+    def __init__(self, keys: list, start: int):
+        self.keys, self.start = keys, start
+
+    def spelled(self) -> dict:
+        return dict(zip(self.keys, _tensor_refs(self.start, len(self.keys))))
 
 
 class _Refused(Exception):
@@ -144,11 +169,16 @@ class _Refused(Exception):
 
 
 class _Flattener:
-    def __init__(self):
+    def __init__(self, bulk: bool = True):
         self.values: list = []
         self.replicated: list[tuple[int, int]] = []
         self.shards: dict[int, tuple[ShardSpec, ...]] = {}
+        self.lazy: list = []
         self._seen: dict[int, int] = {}  # id(tensor) -> leaf index: tied weights are stored once
+        # Bulk runs are not checked against _seen one by one: flatten() checks all their ids at once at the
+        # end, and walks again without bulk runs if a tensor is met twice.
+        self._bulk = bulk
+        self.bulk_ids: list[int] = []
         self._in_replicated = False
 
     def leaf(self, value, key: int, shards=()) -> dict:
@@ -159,23 +189,33 @@ class _Flattener:
             self.values.append(value)
             if shards:
                 self.shards[idx] = shards
-        return {"A" if isinstance(value, np.ndarray) else "T": idx}
+        return {"A": idx} if isinstance(value, np.ndarray) else _tensor_refs(idx, 1)[0]
 
-    def bulk(self, values: list) -> list | None:
-        """Refs for a run of plain tensors none of which was seen before, in C-level passes; None when the
-        run is short, holds anything else, or repeats a tensor (then element by element)."""
-        n = len(values)
-        if n < _BULK_MIN or not set(map(type, values)) <= _PLAIN_TENSORS:
+    def bulk(self, values: list, types: set) -> int | None:
+        """The leaf index of the first of a run of plain tensors (of `types`), added in C-level passes; None
+        when the run is short or holds anything else (then element by element)."""
+        if not self._bulk or len(values) < _BULK_MIN or not types <= _PLAIN_TENSORS:
             return None
         start = len(self.values)
-        fresh = dict(zip(map(id, values), range(start, start + n)))
-        if len(fresh) != n or not self._seen.keys().isdisjoint(fresh):
-            return None
-        self._seen.update(fresh)
         self.values.extend(values)
-        return _tensor_refs(start, n)
+        self.bulk_ids.extend(map(id, values))
+        return start
+
+    def unique(self) -> bool:
+        """No tensor of a bulk run was met anywhere else."""
+        ids = set(self.bulk_ids)
+        return len(ids) == len(self.bulk_ids) and ids.isdisjoint(self._seen)
 
     def encode(self, obj: Any) -> Any:
+        kind = type(obj)  # the usual types first, by identity; subclasses and the rest below
+        if kind in _JSON_PLAIN:
+            return obj
+        if kind is dict or kind is OrderedDict:
+            return self.mapping(obj)
+        if kind in _PLAIN_TENSORS:
+            return self.leaf(obj, id(obj))
+        if kind is list:
+            return self.sequence(obj)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int) and type(obj) is int:
@@ -219,9 +259,12 @@ class _Flattener:
         return self.registered(obj)
 
     def sequence(self, obj) -> list:
-        refs = self.bulk(obj if type(obj) is list else list(obj))
-        if refs is not None:
-            return refs
+        types = set(map(type, obj))
+        if types <= _JSON_PLAIN:  # parameter ids and the like
+            return list(obj)
+        start = self.bulk(obj if type(obj) is list else list(obj), types)
+        if start is not None:
+            return _tensor_refs(start, len(obj))
         out = []
         for i, v in enumerate(obj):
             try:
@@ -236,11 +279,16 @@ class _Flattener:
             if not safe_types.is_registered(type(obj)):
                 raise _Refused(f"dict subclass {type(obj).__qualname__} is not registered; "
                                f"call inmem_ft.snapshot.register_safe_class({type(obj).__qualname__})")
-        keys = list(obj)
-        if set(map(type, keys)) <= {str} or all(isinstance(k, str) for k in keys):
-            refs = self.bulk(list(obj.values()))
-            if refs is not None:
-                items = dict(zip(keys, refs))
+        if len(obj) < _BULK_MIN:
+            str_keys, start = all(isinstance(k, str) for k in obj), None
+        else:
+            keys = list(obj)
+            str_keys = set(map(type, keys)) <= {str} or all(isinstance(k, str) for k in keys)
+            values = list(obj.values()) if str_keys else []
+            start = self.bulk(values, set(map(type, values))) if str_keys else None
+        if str_keys:
+            if start is not None:
+                items = _Keyed(keys, start)
             else:
                 items = {}
                 for k, v in obj.items():
@@ -249,6 +297,8 @@ class _Flattener:
                     except _Refused as e:
                         raise e.at(f".{k}")
             out = {"od" if ordered else "d": items}
+            if start is not None:
+                self.lazy.append((out, "od" if ordered else "d"))
         else:
             pairs = []
             for k, v in obj.items():
@@ -286,12 +336,22 @@ class _Flattener:
 def flatten(state: Any) -> FlatState:
     """The state as a JSON tree plus its leaves. Cheap per tensor: the bytes, dtypes and shapes are read by
     whoever plans and copies them."""
-    f = _Flattener()
+    # The walk only adds objects, and a 10^5-tensor state allocates enough of them to set off full garbage
+    # collections over the whole heap, at random steps; the training thread should not pay for those here.
+    was_enabled = gc.isenabled()
+    gc.disable()
     try:
+        f = _Flattener()
         tree = f.encode(state)
+        if not f.unique():
+            f = _Flattener(bulk=False)
+            tree = f.encode(state)
     except _Refused as e:
         raise UnsafeType(f"state{''.join(reversed(e.where))}: {e.reason}") from None
-    return FlatState(tree, f.values, f.replicated, f.shards)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return FlatState(tree, f.values, f.replicated, f.shards, f.lazy)
 
 
 def _decode(node: Any, leaves: list) -> Any:
