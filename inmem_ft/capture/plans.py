@@ -16,6 +16,7 @@ snapshots.
 from __future__ import annotations
 
 import json
+import secrets
 from operator import attrgetter
 
 from ..errors import InmemFTError
@@ -24,7 +25,7 @@ from ..snapshot.checksum import checksum, to_hex
 from ..snapshot.topology import Topology
 from ..snapshot.tree import FlatState
 
-MANIFEST_SLACK = 64 << 10
+MANIFEST_SLACK = 4 << 10
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
@@ -45,6 +46,7 @@ class PlanCache:
     def __init__(self, *, rank: int, world_size: int, dp_rank: int, dp_size: int):
         self._where = dict(rank=rank, world_size=world_size, dp_rank=dp_rank, dp_size=dp_size)
         self._default_topology = Topology.plain(world_size, dp_size, dp_rank)
+        self._nonce = secrets.token_hex(8)  # no string in a state can be mistaken for a marker of _head
         self.drop()
 
     def drop(self) -> None:
@@ -55,6 +57,7 @@ class PlanCache:
         self._specs: dict = {}  # leaf -> its shard specs, as in the encoded entries
         self._entries = b""  # the manifest's "leaves" list, checksums as placeholders
         self._hashes: list[tuple[int, int, int]] = []  # (place in _entries, data offset, bytes) per own leaf
+        self._keyed: dict[int, tuple[list, bytes]] = {}  # first leaf -> a bulk dict's keys and its JSON
         self.manifest_len = 0
         """Bytes of manifest room the plan's slots reserve (padded with blanks, which JSON ignores)."""
 
@@ -90,11 +93,30 @@ class PlanCache:
 
     def _head(self, template: dict, flat: FlatState, step: int, topology: Topology | None,
               replicated: dict | None = None) -> bytes:
+        """The manifest without its leaf entries. The tree's bulk dicts (10^5 keys of a state dict) are encoded
+        once for as long as their keys stay the same: encoded with a marker in their place, then swapped in."""
         head = {k: v for k, v in template.items() if k != "leaves"}
-        head.update(step=step, topology=(topology or self._default_topology).to_json(), tree=flat.tree)
+        head.update(step=step, topology=(topology or self._default_topology).to_json(), tree=flat.skeleton)
         if replicated is not None:
             head["replicated"] = replicated
-        return _json(head)
+        swaps = [(container, key, container[key], f"\0{self._nonce}:{i}\0")
+                 for i, (container, key) in enumerate(flat.lazy)]
+        for container, key, _, marker in swaps:
+            container[key] = marker
+        try:
+            raw = _json(head)
+        finally:
+            for container, key, keyed, _ in swaps:
+                container[key] = keyed
+        for _, _, keyed, marker in swaps:
+            raw = raw.replace(_json(marker), self._spelled(keyed), 1)
+        return raw
+
+    def _spelled(self, keyed) -> bytes:
+        cached = self._keyed.get(keyed.start)
+        if cached is None or cached[0] != keyed.keys:
+            cached = self._keyed[keyed.start] = (keyed.keys, _json(keyed.spelled()))
+        return cached[1]
 
     def manifest(self, flat: FlatState, step: int, topology: Topology | None, data, *, confirm: bool) -> bytes:
         """Commit thread: this snapshot's manifest (JSON), the checksums of `data` (the slot's data bytes, as
