@@ -201,14 +201,14 @@ def plot(results, path):
               ("decode_GBps", "decode (2 lost)"), ("memcpy_GBps", "memcpy (1 core)"), ("xxh3_GBps", "xxh3"))
     x = np.arange(len(rows))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
     for i, (key, label) in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * width, [r[key] for r in rows], width, label=label)
     ax.set_xticks(x, [f"RS(k={r['k']}, m={r['m']})" for r in rows])
     ax.set_ylabel("GB/s of data (median)")
     ax.set_title(f"ISA-L erasure coding vs memcpy, {results['config']['data_bytes'] // MIB} MiB, "
                  f"{results['machine']['cores']} cores")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -273,39 +273,33 @@ def format_results(res: dict) -> str:
     lines = [f"machine: {res['machine']['cores']} cores, load average {res['machine']['load_avg_1m']:.1f} at "
              f"start; medians of {res['config']['repeats']}"]
     if res.get("size"):
-        lines.append("state size (16 tensors, plain Snapshotter.save, one rank):")
-        lines.append(f"  {'GiB':>6} {'blocking s':>11} {'commit s':>9} {'floor s':>8} {'blocking/floor':>15}")
-        for r in res["size"]:
-            lines.append(f"  {r['bytes'] / GIB:6.2f} {r['blocking_s']:11.4f} {r['commit_s']:9.4f} {r['floor_s']:8.4f} "
-                         f"{r['blocking_s'] / r['floor_s']:15.2f}")
-        if len(res["size"]) > 1:
-            lines.append(f"  slope: blocking {res['size_slope']['blocking_s_per_GiB']:.3f} s/GiB, commit "
-                         f"{res['size_slope']['commit_s_per_GiB']:.3f} s/GiB, floor "
-                         f"{res['size_slope']['floor_s_per_GiB']:.3f} s/GiB")
+        rows = [{**r, "gib": r["bytes"] / GIB, "vs_floor": r["blocking_s"] / r["floor_s"]} for r in res["size"]]
+        lines += report.table("state size (16 tensors, plain Snapshotter.save, one rank):",
+                       [("GiB", "{gib:.2f}"), ("blocking s", "{blocking_s:.4f}"), ("commit s", "{commit_s:.4f}"),
+                        ("floor s", "{floor_s:.4f}"), ("blocking/floor", "{vs_floor:.2f}")], rows)
+        if len(rows) > 1:
+            lines.append("  slope: " + ", ".join(f"{k.removesuffix('_s_per_GiB')} {v:.3f} s/GiB"
+                                                 for k, v in res["size_slope"].items()))
     if res.get("tensors"):
-        lines.append("tensor count (64 MiB in all):")
-        lines.append(f"  {'state':>5} {'tensors':>8} {'blocking s':>11} {'commit s':>9} {'floor s':>8} "
-                     f"{'vs fewest':>10} {'vs floor':>9} {'overlap call s':>15}")
-        for r in res["tensors"]:
-            lines.append(f"  {r['kind']:>5} {r['tensors']:8d} {r['blocking_s']:11.4f} {r['commit_s']:9.4f} "
-                         f"{r['floor_s']:8.4f} {r['ratio_vs_fewest']:10.2f} {r['ratio_vs_floor']:9.2f} "
-                         f"{r['overlap_call_s']:15.4f}")
+        lines += report.table("tensor count (64 MiB in all):",
+                       [("state", "{kind}"), ("tensors", "{tensors}"), ("blocking s", "{blocking_s:.4f}"),
+                        ("commit s", "{commit_s:.4f}"), ("floor s", "{floor_s:.4f}"),
+                        ("vs fewest", "{ratio_vs_fewest:.2f}"), ("vs floor", "{ratio_vs_floor:.2f}"),
+                        ("overlap call s", "{overlap_call_s:.4f}")], res["tensors"])
         flat = [r for r in res["tensors"] if r["kind"] == "flat"]
         lines.append(f"  goal: blocking at {flat[-1]['tensors']} tensors <= {GOAL_TENSORS:g}x blocking at "
                      f"{flat[0]['tensors']}: {flat[-1]['ratio_vs_fewest']:.2f}x "
                      f"({'met' if flat[-1]['ratio_vs_fewest'] <= GOAL_TENSORS else 'NOT met'})")
     if res.get("ranks"):
-        lines.append("ranks per node (one SMP, each rank saving its own state at the same moment):")
-        lines.append(f"  {'ranks':>5} {'blocking s':>11} {'commit s':>9} {'vs 1 rank':>10} {'node GB/s':>10}")
-        for r in res["ranks"]:
-            lines.append(f"  {r['ranks']:5d} {r['blocking_s']:11.4f} {r['commit_s']:9.4f} {r['ratio_vs_one_rank']:10.2f} "
-                         f"{r['node_GBps']:10.2f}")
+        lines += report.table("ranks per node (one SMP, each rank saving its own state at the same moment):",
+                       [("ranks", "{ranks}"), ("blocking s", "{blocking_s:.4f}"), ("commit s", "{commit_s:.4f}"),
+                        ("vs 1 rank", "{ratio_vs_one_rank:.2f}"), ("node GB/s", "{node_GBps:.2f}")], res["ranks"])
     if res.get("protect"):
-        lines.append("protection (commit -> protected on every node, loopback):")
-        lines.append(f"  {'G':>3} {'m':>3} {'MiB/node':>9} {'parity MiB':>11} {'protect s':>10} {'vs smallest':>12}")
-        for r in res["protect"]:
-            lines.append(f"  {r['nodes']:3d} {r['m']:3d} {r['node_bytes'] // MIB:9d} "
-                         f"{r['parity_bytes_per_node'] / MIB:11.1f} {r['protect_s']:10.3f} {r['ratio_vs_smallest']:12.2f}")
+        rows = [{**r, "mib": r["node_bytes"] // MIB, "parity_mib": r["parity_bytes_per_node"] / MIB}
+                for r in res["protect"]]
+        lines += report.table("protection (commit -> protected on every node, loopback):",
+                       [("G", "{nodes}"), ("m", "{m}"), ("MiB/node", "{mib}"), ("parity MiB", "{parity_mib:.1f}"),
+                        ("protect s", "{protect_s:.3f}"), ("vs smallest", "{ratio_vs_smallest:.2f}")], rows)
     return "\n".join(lines)
 
 
