@@ -9,6 +9,7 @@ import torch
 from inmem_ft import Replicated, ShardSpec, Sharded, SnapshotCorrupt, UnsafeType, capture_rng_state, register_safe_class
 from inmem_ft.snapshot import flatten, plan, shard_specs, unpack
 from inmem_ft.snapshot import segment as seg
+from inmem_ft.snapshot.layout import Pieces
 
 
 def roundtrip(state, dp_rank=0, dp_size=1):
@@ -23,7 +24,7 @@ def roundtrip(state, dp_rank=0, dp_size=1):
     replicated = None
     if manifest["replicated"]:
         rep = manifest["replicated"]
-        replicated = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+        replicated = Pieces([(0, data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]])])
     return unpack(manifest, data, replicated), manifest
 
 
@@ -99,8 +100,9 @@ def test_batched_replicated_region_reassembles_from_every_share(dp_size):
         share = p.manifest["replicated"]
         region = torch.zeros(share["total"], dtype=torch.uint8) if region is None else region
         region[share["lo"]: share["hi"]] = data[share["o"]: share["o"] + share["hi"] - share["lo"]]
-    back = unpack(json.loads(seg.encode_manifest(p.manifest)), data, region)
+    back = unpack(json.loads(seg.encode_manifest(p.manifest)), data, Pieces([(0, region)]))
     assert_same(back, {**state, "rep": state["rep"].tree})
+    assert all(back["rep"][k].untyped_storage().data_ptr() == region.untyped_storage().data_ptr() for k in rep)
 
 
 def test_shard_specs_are_recorded():

@@ -147,6 +147,11 @@ def _tensor_from(src: torch.Tensor, entry: dict, copy: bool):
     return raw.view(dtype_from_name(entry["dt"])).view(entry["sh"])
 
 
+def _itemsize(entry: dict) -> int:
+    # Packed leaves (see _pack) sit at multiples of their element size, not always of ALIGN.
+    return np.dtype(entry["dt"]).itemsize if entry["k"] == "a" else dtype_from_name(entry["dt"]).itemsize
+
+
 @dataclass
 class Pieces:
     """The replicated region of a step as it was found: pieces (offset in the region, uint8 tensor) that cover
@@ -154,12 +159,12 @@ class Pieces:
 
     parts: list[tuple[int, torch.Tensor]]
 
-    def take(self, ro: int, n: int) -> torch.Tensor:
+    def take(self, ro: int, n: int, itemsize: int = ALIGN) -> torch.Tensor:
         """Bytes [ro, ro + n) of the region: a view of the piece holding them where that piece holds all of
-        them at an address their dtype can view (ALIGN covers every dtype), else a private copy."""
+        them at an address their dtype (of `itemsize` bytes) can view, else a private copy."""
         pieces = [(lo, t) for lo, t in self.parts if lo < ro + n and ro < lo + t.numel()] or self.parts[:1]
         lo, t = pieces[0]
-        if len(pieces) == 1 and (t.storage_offset() + ro - lo) % ALIGN == 0:
+        if len(pieces) == 1 and (t.storage_offset() + ro - lo) % itemsize == 0:
             return t[ro - lo: ro - lo + n]
         return torch.cat([t[max(0, ro - lo): ro + n - lo] for lo, t in pieces])
 
@@ -177,7 +182,7 @@ def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None,
         if "o" in entry:
             values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=not owned))
         else:
-            values.append(_tensor_from(replicated.take(entry["ro"], n), entry, copy=False))
+            values.append(_tensor_from(replicated.take(entry["ro"], n, _itemsize(entry)), entry, copy=False))
     return unflatten(manifest["tree"], values)
 
 
