@@ -55,12 +55,12 @@ class Metrics:
 class _Written:
     """What the commit thread needs of a snapshot save() began."""
 
-    flat: "FlatState"
-    plan: "layout.Plan"
+    flat: FlatState
+    plan: layout.Plan
     reused: bool  # the plan was made for an earlier snapshot: confirm it before committing
     topology: Topology | None
     manifest_len: int  # room reserved for the manifest
-    target: "_Attached"
+    target: _Attached
     reply: dict
     work: object
 

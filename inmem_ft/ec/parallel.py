@@ -1,9 +1,9 @@
 """A small thread pool that splits one erasure-coding call across cores.
 
-ISA-L encodes at memory speed on one core, about as fast as a memcpy; a snapshot's parity must keep up
-with the copy that took it, on the same memory bus, while the node does other work. A ctypes call
-releases the GIL, so the byte range of one call is cut into contiguous pieces that run side by side:
-the caller runs the first piece itself, pool threads the rest.
+One core encodes at 8-20 GB/s, about what it copies, while a server node's memory moves several times that;
+a snapshot's parity must keep up with the copies of all the node's ranks. A ctypes call releases the GIL,
+so the byte range of one call is cut into contiguous pieces that run side by side: the caller runs the
+first piece itself, pool threads the rest.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +21,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(WORKERS - 1, thread_name_prefix="inmem_ft-ec-encode")
+            _pool = ThreadPoolExecutor(max(1, WORKERS - 1), thread_name_prefix="inmem_ft-ec-encode")
         return _pool
 
 

@@ -9,7 +9,6 @@ that one torch.cat copies a whole group: a state of 10^5 small tensors then cost
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
