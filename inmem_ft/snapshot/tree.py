@@ -216,6 +216,10 @@ class _Flattener:
             return self.leaf(obj, id(obj))
         if kind is list:
             return self.sequence(obj)
+        if kind is tuple:
+            return {"tu": self.sequence(obj)}
+        if kind is Sharded:
+            return self.leaf(obj.tensor, id(obj.tensor), obj.specs)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int) and type(obj) is int:
