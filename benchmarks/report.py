@@ -53,6 +53,15 @@ def progress(text: str) -> None:
     print(PROGRESS + text, flush=True)
 
 
+def table(title: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:
+    """The lines of a text table under `title`: `columns` are (header, format of a row's fields, such as
+    "{blocking_s:.4f}"), one row a dict."""
+    cells = [[fmt.format(**row) for _, fmt in columns] for row in rows]
+    widths = [max(len(head), *(len(c[i]) for c in cells)) for i, (head, _) in enumerate(columns)]
+    return [title] + ["  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))
+                      for line in [[head for head, _ in columns]] + cells]
+
+
 def write(results: dict, json_path: str | None, plot=None, plot_path: str | None = None) -> None:
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)

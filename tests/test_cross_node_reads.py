@@ -16,7 +16,7 @@ from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment
-from inmem_ft.snapshot import catalog, layout, segment as seg
+from inmem_ft.snapshot import catalog, layout, pack, segment as seg
 from inmem_ft.snapshot.shardspec import ShardSpec
 from inmem_ft.snapshot.topology import Topology
 from inmem_ft.snapshot.tree import Replicated, Sharded, flatten
@@ -67,10 +67,8 @@ def commit(socket_path, rank, step, state=None):
         reply = client.call("begin", rank=rank, step=step, manifest_len=manifest_len, data_len=plan.data_len,
                             keep_step=None, reserve=True)
         segment = Segment(reply["segment"])
-        data = np.frombuffer(segment.buf, dtype=np.uint8, count=plan.data_len, offset=reply["data_off"])
-        for c in plan.copies:
-            raw = flat.leaves[c.leaf].value.contiguous().reshape(-1).view(torch.uint8).numpy()
-            data[c.dst: c.dst + c.hi - c.lo] = raw[c.lo: c.hi]
+        data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=plan.data_len, offset=reply["data_off"])
+        pack.write(flat.values, plan.copies, plan.batches, data)
         seg.region_hashes(segment.buf[reply["data_off"]:], plan.manifest)
         raw = seg.encode_manifest(plan.manifest)
         segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inmem_ft.ec import codec as codec_module
-from inmem_ft.ec import isal
+from inmem_ft.ec import isal, parallel
 from inmem_ft.ec.codec import NotEnoughBlocks, RSCodec
 
 
@@ -113,6 +113,18 @@ def test_long_blocks_are_coded_in_slices(monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(whole, sliced))
     rebuilt = sliced_codec.decode({1: data[1], 3: whole[0], 4: whole[1]}, [0, 2])
     assert np.array_equal(rebuilt[0], data[0]) and np.array_equal(rebuilt[2], data[2])
+
+
+@pytest.mark.parametrize("length", [3 * (1 << 20) + 37, 5 * (1 << 20)])
+def test_a_call_split_across_threads_codes_what_one_thread_does(length):
+    rng = np.random.default_rng(length)
+    data = [rng.integers(0, 256, length, dtype=np.uint8) for _ in range(4)]
+    one, split = RSCodec(4, 2, workers=1), RSCodec(4, 2, workers=3)  # 3 pieces even on a 2-core machine
+    assert len(parallel.pieces(length, 3)) == 3
+    parity = one.encode(data)
+    assert all(np.array_equal(a, b) for a, b in zip(parity, split.encode(data)))
+    rebuilt = split.decode({2: data[2], 3: data[3], 4: parity[0], 5: parity[1]}, [0, 1])
+    assert np.array_equal(rebuilt[0], data[0]) and np.array_equal(rebuilt[1], data[1])
 
 
 def test_missing_isal_names_both_places_and_fixes(monkeypatch):

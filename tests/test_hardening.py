@@ -167,6 +167,30 @@ def _log_when(job, text, timeout=10):
     return open(paths.default_log(job, 0)).read()
 
 
+def test_a_node_of_ranks_connecting_while_the_smp_is_busy_all_get_in(job):
+    """Connections wait in the listen backlog until the SMP accepts them; a backlog too short for a node's ranks
+    refused the extra ones at once (EAGAIN), which 8 ranks of a loaded node hit."""
+    proc = control.start(job, 0, 64 << 20)
+    socket_path = paths.default_socket(job, 0)
+    socks = []
+    os.kill(proc.pid, signal.SIGSTOP)  # busy: accepts nothing meanwhile
+    try:
+        for _ in range(32):
+            socks.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            socks[-1].settimeout(30)  # as SMPClient connects
+            socks[-1].connect(socket_path)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    try:
+        for sock in socks:
+            protocol.send(sock, {"op": "ping"})
+            assert protocol.recv(sock)["job"] == job
+    finally:
+        for sock in socks:
+            sock.close()
+        control.stop(socket_path, wipe=True)
+
+
 def test_both_headers_corrupted_is_said_and_restore_refuses_to_start_over(job):
     control.start(job, 0, 64 << 20)
     try:

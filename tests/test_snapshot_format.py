@@ -9,6 +9,7 @@ import torch
 from inmem_ft import Replicated, ShardSpec, Sharded, SnapshotCorrupt, UnsafeType, capture_rng_state, register_safe_class
 from inmem_ft.snapshot import flatten, plan, shard_specs, unpack
 from inmem_ft.snapshot import segment as seg
+from inmem_ft.snapshot.layout import Pieces
 
 
 def roundtrip(state, dp_rank=0, dp_size=1):
@@ -17,13 +18,13 @@ def roundtrip(state, dp_rank=0, dp_size=1):
     data = torch.zeros(p.data_len, dtype=torch.uint8)
     from inmem_ft.capture.copier import Copier
 
-    Copier(None).copy(flat.leaves, p.copies, data)
+    Copier(None).copy(flat.values, p, data)
     seg.region_hashes(data.numpy(), p.manifest)
     manifest = json.loads(seg.encode_manifest(p.manifest))  # through JSON, as in shared memory
     replicated = None
     if manifest["replicated"]:
         rep = manifest["replicated"]
-        replicated = data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]
+        replicated = Pieces([(0, data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]])])
     return unpack(manifest, data, replicated), manifest
 
 
@@ -72,6 +73,36 @@ def test_tied_tensors_are_stored_once():
     w = torch.randn(100)
     flat = flatten({"a": w, "b": w})
     assert len(flat.leaves) == 1
+    # Also inside containers long enough for the bulk path, and across containers.
+    big = {f"l{i}": torch.randn(3) for i in range(20)}
+    big["l7"] = big["l2"]
+    state = {"w": w, "big": big, "again": [w, big["l5"]]}
+    assert len(flatten(state).values) == 20
+    back, _ = roundtrip(state)
+    assert_same(back, state)
+    assert back["big"]["l7"] is back["big"]["l2"] and back["again"][0] is back["w"]
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_batched_replicated_region_reassembles_from_every_share(dp_size):
+    from inmem_ft.capture.copier import Copier
+
+    rep = {f"w{i}": torch.randn(5, 3) for i in range(30)}
+    state = {"own": [torch.randn(7) for _ in range(10)],
+             "rep": Replicated({**rep, "s": torch.tensor(2.0), "t": torch.tensor(3.0), "b": torch.randn(11)})}
+    region = None
+    for r in range(dp_size):
+        flat = flatten(state)
+        p = plan(flat, step=1, rank=r, world_size=dp_size, dp_rank=r, dp_size=dp_size)
+        assert p.batches  # runs of same-shape tensors are one copy, also where a share boundary cuts them
+        data = torch.zeros(p.data_len, dtype=torch.uint8)
+        Copier(None).copy(flat.values, p, data)
+        share = p.manifest["replicated"]
+        region = torch.zeros(share["total"], dtype=torch.uint8) if region is None else region
+        region[share["lo"]: share["hi"]] = data[share["o"]: share["o"] + share["hi"] - share["lo"]]
+    back = unpack(json.loads(seg.encode_manifest(p.manifest)), data, Pieces([(0, region)]))
+    assert_same(back, {**state, "rep": state["rep"].tree})
+    assert all(back["rep"][k].untyped_storage().data_ptr() == region.untyped_storage().data_ptr() for k in rep)
 
 
 def test_shard_specs_are_recorded():
@@ -136,7 +167,7 @@ def test_corruption_is_detected_at_every_level():
     data = torch.frombuffer(buf, dtype=torch.uint8)[header.data_off: header.data_off + p.data_len]
     from inmem_ft.capture.copier import Copier
 
-    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    Copier(None).copy(flatten(state).values, p, data)
     seg.region_hashes(memoryview(buf)[header.data_off:], p.manifest)
     raw = seg.encode_manifest(p.manifest)
     buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
@@ -183,7 +214,7 @@ def test_copy_verified_copies_every_region_and_names_a_corrupted_one(workers):
              "rep": Replicated({"w": torch.randn(10_000)})}
     p = plan(flatten(state), step=4, rank=1, world_size=2, dp_rank=1, dp_size=2)
     data = torch.zeros(p.data_len, dtype=torch.uint8)
-    Copier(None).copy(flatten(state).leaves, p.copies, data)
+    Copier(None).copy(flatten(state).values, p, data)
     seg.region_hashes(data.numpy(), p.manifest)
     out = seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)
     for start, end, _, _ in seg.regions(p.manifest):

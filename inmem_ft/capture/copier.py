@@ -1,6 +1,6 @@
 """Copy a state's bytes into a snapshot slot, blocking the trainer only for the copy out of device memory.
 
-Host-resident leaves go straight into shared memory: one memcpy each, the whole cost of a CPU snapshot.
+Host-resident leaves go straight into shared memory (snapshot/pack.py), the whole cost of a CPU snapshot.
 CUDA leaves go from a side stream into a pinned staging buffer laid out like the slot; the trainer's
 stream waits on that copy before it can touch the tensors again, and the commit thread later moves the
 staged bytes into shared memory, off the training path.
@@ -13,28 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..errors import BudgetExceeded
-from ..snapshot.layout import Copy
-from ..snapshot.tree import Leaf
+from ..snapshot import pack
+from ..snapshot.layout import Batch, Copy, Plan
 
 
-def _source_bytes(value, lo: int, hi: int, whole: bool):
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8)[lo:hi])
-    if whole:
-        return value
-    return value.contiguous().reshape(-1).view(torch.uint8)[lo:hi]
-
-
-def _copy_into(dst: torch.Tensor, value, c: Copy, whole: bool) -> None:
-    src = _source_bytes(value, c.lo, c.hi, whole)
-    if whole and isinstance(value, torch.Tensor):
-        dst.view(value.dtype).view(value.shape).copy_(src)
-    else:
-        dst.copy_(src)
+def _on_device(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
 
 
 @dataclass
@@ -42,7 +29,9 @@ class Work:
     """Copies still to finish after copy() returned: host copies deferred to the commit thread (overlap),
     and staged CUDA copies to move into shared memory once the side-stream event has fired."""
 
-    host: list = field(default_factory=list)  # (dst range, value, Copy, whole)
+    values: list = field(default_factory=list)
+    host: list[Copy] = field(default_factory=list)
+    batches: list[Batch] = field(default_factory=list)
     event: "torch.cuda.Event | None" = None
     ranges: list[tuple[int, int]] = field(default_factory=list)
 
@@ -53,43 +42,39 @@ class Copier:
         self._staging: torch.Tensor | None = None
         self._stream = None
 
-    def copy(self, leaves: list[Leaf], copies: list[Copy], data: torch.Tensor, defer: bool = False) -> Work:
-        """Copy, or with `defer` only start copying: the caller must fence() before the state changes."""
-        work, device_copies = Work(), []
-        for c in copies:
-            value = leaves[c.leaf].value
-            whole = c.lo == 0 and c.hi == leaves[c.leaf].nbytes
-            if isinstance(value, torch.Tensor) and value.is_cuda:
-                device_copies.append((c, value, whole))
-            elif defer:
-                work.host.append((c.dst, value, c, whole))
-            else:
-                _copy_into(data[c.dst: c.dst + c.hi - c.lo], value, c, whole)
+    def copy(self, values: list, plan: Plan, data: torch.Tensor, defer: bool = False) -> Work:
+        """Copy the leaves `values` as `plan` lays them out, or with `defer` only start copying: the caller must
+        fence() before the state changes."""
+        work = Work(values, batches=plan.batches)
+        device_copies = []
+        for c in plan.copies:
+            (device_copies if _on_device(values[c.leaf]) else work.host).append(c)
         if device_copies:
-            self._stage(device_copies, data.numel(), work)
-            if not defer:
-                self.fence(work)
+            self._stage(device_copies, values, data.numel(), work)
+        if not defer:
+            self.copy_host(work, data)
+            self.fence(work)
         return work
 
     def copy_host(self, work: Work, data: torch.Tensor) -> None:
-        """Commit thread: the host copies an overlapped snapshot deferred."""
-        for dst, value, c, whole in work.host:
-            _copy_into(data[dst: dst + c.hi - c.lo], value, c, whole)
-        work.host = []
+        """The host copies (the commit thread runs them for an overlapped snapshot)."""
+        pack.write(work.values, work.host, work.batches, data)
+        work.host, work.batches = [], []
 
     def fence(self, work: Work) -> None:
         """The training stream waits for the device copies (no host wait: kernels queue behind them)."""
         if work.event is not None:
             torch.cuda.current_stream().wait_event(work.event)
 
-    def _stage(self, device_copies, data_len: int, work: Work) -> None:
+    def _stage(self, device_copies: list[Copy], values: list, data_len: int, work: Work) -> None:
         staging = self._staging_buffer(data_len)
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         self._stream.wait_stream(torch.cuda.current_stream())  # copy the values as of this point
         with torch.cuda.stream(self._stream):
-            for c, value, whole in device_copies:
-                _copy_into(staging[c.dst: c.dst + c.hi - c.lo], value, c, whole)
+            for c in device_copies:
+                value = values[c.leaf]
+                pack.copy_into(staging[c.dst: c.dst + c.hi - c.lo], value, c)
                 value.record_stream(self._stream)
                 work.ranges.append((c.dst, c.dst + c.hi - c.lo))
             work.event = torch.cuda.Event()

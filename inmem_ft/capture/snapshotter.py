@@ -8,6 +8,7 @@ survives a crash at any instant.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -24,10 +25,11 @@ from ..smp.client import SMPClient
 from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology
-from ..snapshot.tree import flatten
+from ..snapshot.tree import FlatState, flatten
 from ..telemetry import Heartbeat
 from .agreement import Agreement
 from .copier import Copier
+from .plans import PlanCache, StalePlan
 from .restore import NO_STEP, RestoreInfo, Restorer, replicated_region
 
 log = logging.getLogger("inmem_ft.capture")
@@ -45,6 +47,26 @@ class Metrics:
     flushes: int = 0
     last_flush_s: float = 0.0
     skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
+    planned: int = 0  # snapshots laid out afresh (the first, and any after the state's structure changed)
+    stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
+
+
+@dataclass
+class _Written:
+    """What the commit thread needs of a snapshot save() began."""
+
+    flat: FlatState
+    plan: layout.Plan
+    reused: bool  # the plan was made for an earlier snapshot: confirm it before committing
+    topology: Topology | None
+    manifest_len: int  # room reserved for the manifest
+    target: _Attached
+    reply: dict
+    work: object
+
+    @property
+    def data_off(self) -> int:
+        return self.reply["data_off"]
 
 
 class _Skipped(InmemFTError):
@@ -87,6 +109,8 @@ class Snapshotter:
         self._smp = SMPClient(self.config.socket_path, timeout_s=self.config.timeout_s)
         self._smp.call("ping")  # no SMP: fail now, with the command that starts one
         self._copier = Copier(self.config.staging_budget)
+        self._plans = PlanCache(rank=self.rank, world_size=self.world_size, dp_rank=self.dp_rank,
+                                dp_size=self.dp_size)
         self._attached: dict[str, _Attached] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-commit")
         self._pending: Future | None = None
@@ -125,22 +149,22 @@ class Snapshotter:
         data-parallel sizes, framework 'pytorch')."""
         t0 = time.perf_counter()
         self.wait()
-        plan, target, reply, work, error, fatal = None, None, None, None, None, False
+        plan, reused, flat, target, reply, work, error, fatal = None, False, None, None, None, None, None, False
         try:
             flat = flatten(state)
-            plan = layout.plan(flat, step=step, rank=self.rank, world_size=self.world_size,
-                               dp_rank=self.dp_rank, dp_size=self.dp_size, topology=topology)
-            manifest_len = len(seg.encode_manifest(plan.manifest))
-            reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
-                                   data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
-                                   local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
-            if "skipped" in reply:
-                raise _Skipped(reply["skipped"])
-            target = self._attach(reply["segment"], reply["inode"])
-            if not overlap:
-                target.for_writing()  # else the commit thread prefaults, off the training path
-            data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
-            work = self._copier.copy(flat.leaves, plan.copies, data, defer=overlap)
+            plan, reused = self._plans.plan(flat, step, topology)
+            self.metrics.planned += not reused
+            try:
+                reply, target, work = self._begin_and_copy(step, flat, plan, overlap)
+            except (RuntimeError, ValueError) as e:
+                if not reused or isinstance(e, InmemFTError):
+                    raise
+                # A tensor changed shape or device under the reused layout; the state itself has not changed
+                # yet, so lay it out afresh and copy again.
+                log.info("snapshot rank=%d step=%d event=replan reason=%s", self.rank, step, str(e).splitlines()[0])
+                plan, reused = self._plans.fresh(flat, step, topology), False
+                self.metrics.planned += 1
+                reply, target, work = self._begin_and_copy(step, flat, plan, overlap)
             self._reserved = True
         except Exception as e:  # any failure, ours or not: the step's vote in _finish tells every rank
             error, target = e, None
@@ -160,12 +184,26 @@ class Snapshotter:
         self._fence_work = work if overlap and error is None else None
         if self._fence_work is None:
             self._copied.set()
+        written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work) \
+            if target else None
         # Submitted even after an error: every rank must take part in the step's agreement.
-        self._pending = self._pool.submit(self._finish, step, plan, target, reply, work, error)
+        self._pending = self._pool.submit(self._finish, step, written, error)
         if fatal:
             with contextlib.suppress(Exception):
                 self.wait()  # the vote first, so no other rank waits for this one
             raise error
+
+    def _begin_and_copy(self, step: int, flat, plan, overlap: bool):
+        reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=self._plans.manifest_len,
+                               data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
+                               local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+        if "skipped" in reply:
+            raise _Skipped(reply["skipped"])
+        target = self._attach(reply["segment"], reply["inode"])
+        if not overlap:
+            target.for_writing()  # else the commit thread prefaults, off the training path
+        data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
+        return reply, target, self._copier.copy(flat.values, plan, data, defer=overlap)
 
     def fence(self) -> None:
         """Before the snapshotted state changes: wait for an overlapped snapshot's copy. Cheap otherwise."""
@@ -184,23 +222,39 @@ class Snapshotter:
         """Fence automatically before every `optimizer.step()` (a torch.optim step pre-hook)."""
         optimizer.register_step_pre_hook(lambda *_: self.fence())
 
-    def _finish(self, step, plan, target, reply, work, error) -> None:
+    def _finish(self, step: int, w: "_Written | None", error) -> None:
         t0 = time.perf_counter()
+        raw = None
         if error is None:
             try:
-                data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
+                data = w.target.bytes[w.data_off: w.data_off + w.plan.data_len]
                 try:
-                    target.for_writing()
-                    self._copier.copy_host(work, data)
+                    w.target.for_writing()
+                    self._copier.copy_host(w.work, data)
+                except (RuntimeError, ValueError) as e:
+                    if not w.reused or isinstance(e, InmemFTError):
+                        raise
+                    self._plans.drop()
+                    raise StalePlan(f"step {step}: a tensor changed shape or device under an unchanged structure "
+                                    f"({str(e).splitlines()[0]}); the next snapshot is laid out afresh") from None
                 finally:
                     self._copied.set()
-                self._copier.drain(work, data)
-                seg.region_hashes(target.segment.buf[reply["data_off"]:], plan.manifest)
-                raw = seg.encode_manifest(plan.manifest)
-                target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + len(raw)] = raw
+                self._copier.drain(w.work, data)
+                raw = self._plans.manifest(w.flat, step, w.topology, w.target.segment.buf[w.data_off:],
+                                           confirm=w.reused)
+                if len(raw) > w.manifest_len:
+                    self._plans.drop()
+                    raise StalePlan(f"step {step}: its manifest ({len(raw)} bytes) outgrew the room reserved for it "
+                                    f"({w.manifest_len} bytes); the next snapshot is laid out afresh")
+                w.target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + w.manifest_len] = raw.ljust(w.manifest_len)
                 self._smp.call("commit", rank=self.rank, step=step)
             except Exception as e:  # whatever it is, the vote below must run on every rank
                 error = e
+        if isinstance(error, StalePlan):
+            try:
+                self._smp.call("abort", rank=self.rank)
+            except InmemFTError:
+                pass  # the next begin takes the slot over anyway
         agreed = self._agree.min(NO_STEP if error else step)
         if agreed == step:
             self._complete = step
@@ -210,9 +264,13 @@ class Snapshotter:
                 error = e
         self.metrics.last_commit_s = time.perf_counter() - t0
         if error is None and agreed == step and self.disk is not None and self.disk.due(step):
-            self._flush(step, target, reply["data_off"], plan)
+            self._flush(step, w.target, w.data_off, json.loads(raw), w.plan.data_len)
         if isinstance(error, _Skipped):
             return  # said in save(); the agreement above kept the step from counting as complete anywhere
+        if isinstance(error, StalePlan):
+            self.metrics.stale += 1
+            log.warning("snapshot rank=%d step=%d event=stale reason=%s", self.rank, step, error)
+            return
         if error is not None:
             self.metrics.failures += 1
             log.error("snapshot rank=%d step=%d event=failed: %s: %s", self.rank, step, type(error).__name__,
@@ -223,14 +281,13 @@ class Snapshotter:
         self.metrics.snapshots += 1
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
-                 plan.data_len)
+                 w.plan.data_len)
 
-    def _flush(self, step: int, target: "_Attached", data_off: int, plan) -> None:
+    def _flush(self, step: int, target: "_Attached", data_off: int, manifest: dict, data_len: int) -> None:
         """Write a complete step to the disk tier: read this rank's committed slot back (the live tensors have
         moved on), gather the replicated region, let the tier write; once every rank wrote, rank 0 publishes."""
         t0 = time.perf_counter()
-        manifest = plan.manifest
-        data = target.bytes[data_off: data_off + plan.data_len]
+        data = target.bytes[data_off: data_off + data_len]
         ok = True
         try:
             # Collective (its exchange runs on every rank before anything in it can fail); what fails after it,

@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from inmem_ft.ec import parallel
 from inmem_ft.ec.isal import LIB
 
 # ISA-L takes the block length as a C int; 1 GiB slices stay clear of its limit and are still long
@@ -85,15 +86,17 @@ def _common_length(arrays, what):
 
 
 class RSCodec:
-    """Systematic Cauchy Reed-Solomon code with k data and m parity blocks (k + m <= 255)."""
+    """Systematic Cauchy Reed-Solomon code with k data and m parity blocks (k + m <= 255). One call runs on
+    up to `workers` cores (ec/parallel.py)."""
 
-    def __init__(self, k, m):
-        for name, value in (("k", k), ("m", m)):
+    def __init__(self, k, m, workers=parallel.WORKERS):
+        for name, value in (("k", k), ("m", m), ("workers", workers)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"RSCodec: {name} must be an integer >= 1, got {value!r}")
         if k + m > 255:
             raise ValueError(f"RSCodec: k + m must be <= 255 (GF(2^8) has 255 usable points), got k={k}, m={m}")
         self.k, self.m, self.n = k, m, k + m
+        self.workers = workers
         self._matrix = np.empty((self.n, k), dtype=np.uint8)
         LIB.gf_gen_cauchy1_matrix(_ptr(self._matrix), self.n, k)
         self._tables = OrderedDict()
@@ -198,11 +201,15 @@ class RSCodec:
         tables = self._coefficients(sources, targets)
         src_addr = [a.ctypes.data for a in src]
         dst_addr = [a.ctypes.data for a in dst]
+
+        def piece(start, end):
+            for off in range(start, end, _SLICE):
+                n = min(_SLICE, end - off)
+                src_p = (ctypes.c_void_p * len(src))(*[a + off for a in src_addr])
+                dst_p = (ctypes.c_void_p * len(dst))(*[a + off for a in dst_addr])
+                LIB.ec_encode_data(
+                    n, self.k, len(dst), _ptr(tables), ctypes.cast(src_p, _u8_pp), ctypes.cast(dst_p, _u8_pp)
+                )
+
         # `src`, `dst` and `tables` are referenced until this returns, so the memory stays alive.
-        for off in range(0, length, _SLICE):
-            n = min(_SLICE, length - off)
-            src_p = (ctypes.c_void_p * len(src))(*[a + off for a in src_addr])
-            dst_p = (ctypes.c_void_p * len(dst))(*[a + off for a in dst_addr])
-            LIB.ec_encode_data(
-                n, self.k, len(dst), _ptr(tables), ctypes.cast(src_p, _u8_pp), ctypes.cast(dst_p, _u8_pp)
-            )
+        parallel.run(piece, length, self.workers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..snapshot import layout, segment as seg
+from ..snapshot import layout, pack, segment as seg
 from ..snapshot.tree import flatten
 from .atomic import atomic_write
 
@@ -14,11 +14,7 @@ def encode(state, step: int = 0) -> bytes:
     flat = flatten(state)
     plan = layout.plan(flat, step=step, rank=0, world_size=1)
     data = torch.zeros(plan.data_len, dtype=torch.uint8)
-    for c in plan.copies:
-        leaf = flat.leaves[c.leaf].value
-        src = torch.from_numpy(leaf.reshape(-1).view("uint8")) if flat.leaves[c.leaf].is_array else \
-            leaf.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
-        data[c.dst: c.dst + c.hi - c.lo] = src[c.lo: c.hi]
+    pack.write(flat.values, plan.copies, plan.batches, data)
     raw_data = data.numpy().tobytes()
     seg.region_hashes(memoryview(raw_data), plan.manifest)
     raw = seg.encode_manifest(plan.manifest)

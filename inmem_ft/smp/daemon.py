@@ -34,6 +34,12 @@ REBUILD_WAIT_S = 540.0
 _CODES = {SnapshotCorrupt: "corrupt", SnapshotLost: "lost", UnknownFormat: "format"}
 
 
+class _Server(socketserver.ThreadingUnixStreamServer):
+    # socketserver's backlog of 5 refuses connections (EAGAIN, at once) when a node's ranks all connect while
+    # the accept loop is busy: 8 ranks of a loaded node did.
+    request_queue_size = 256
+
+
 class RequestError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -523,7 +529,7 @@ class SMP:
 
         old_umask = os.umask(0o177)  # the socket file is created owner-only
         try:
-            self.server = socketserver.ThreadingUnixStreamServer(self.socket_path, Handler)
+            self.server = _Server(self.socket_path, Handler)
         finally:
             os.umask(old_umask)
         self.server.daemon_threads = True

@@ -42,6 +42,11 @@ class Topology:
         return asdict(self)
 
     @classmethod
+    def plain(cls, world_size: int, dp: int = 1, dp_rank: int = 0) -> "Topology":
+        """The record of a plain PyTorch job: its world and data-parallel sizes only."""
+        return cls(world_size=world_size, dp=dp, coords={"dp": dp_rank})
+
+    @classmethod
     def from_json(cls, d: dict) -> "Topology":
         return cls(**d)
 

@@ -7,9 +7,11 @@ Python and numpy RNG states are plain tuples/arrays and ride along with no speci
 from __future__ import annotations
 
 import base64
+import gc
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,11 @@ class Replicated:
         self.tree = tree
 
 
+def nbytes(value) -> int:
+    """Bytes of a tensor's or array's elements."""
+    return int(value.nbytes) if isinstance(value, np.ndarray) else value.numel() * value.element_size()
+
+
 @dataclass
 class Leaf:
     value: Any  # torch.Tensor or np.ndarray, as captured (possibly on an accelerator)
@@ -61,8 +68,7 @@ class Leaf:
 
     @property
     def nbytes(self) -> int:
-        v = self.value
-        return int(v.nbytes) if self.is_array else v.numel() * v.element_size()
+        return nbytes(self.value)
 
     @property
     def dtype_name(self) -> str:
@@ -71,31 +77,149 @@ class Leaf:
 
 @dataclass
 class FlatState:
-    tree: Any
-    leaves: list[Leaf] = field(default_factory=list)
+    skeleton: Any
+    """The JSON tree, but for the bulk dicts listed in `lazy` (see `tree`)."""
+    values: list = field(default_factory=list)
+    """The leaves' tensors and arrays in leaf order, as the caller holds them (copies run under no_grad)."""
+    replicated: list[tuple[int, int]] = field(default_factory=list)
+    """Leaf index ranges [start, end) first met under a Replicated marker."""
+    shards: dict[int, tuple[ShardSpec, ...]] = field(default_factory=dict)
+    lazy: list = field(default_factory=list)
+
+    @property
+    def tree(self) -> Any:
+        """The state's JSON tree. Its bulk dicts (10^5 keys of a state dict) are spelled out on first use,
+        which for a snapshot under a reused layout is on the commit thread."""
+        for container, key in self.lazy:
+            container[key] = container[key].spelled()
+        self.lazy = []
+        return self.skeleton
+
+    @cached_property
+    def leaves(self) -> list[Leaf]:
+        """One Leaf per value, for planning. The snapshot hot path uses `values` and never builds these."""
+        rep = bytearray(len(self.values))
+        for a, b in self.replicated:
+            rep[a:b] = b"\x01" * (b - a)
+        return [Leaf(v, bool(rep[i]), self.shards.get(i, ())) for i, v in enumerate(self.values)]
+
+    def path_of(self, leaf: int) -> str:
+        """Where leaf `leaf` sits in the state, for error messages (a walk of the tree: not for hot paths)."""
+        def find(node, path):
+            if isinstance(node, list):
+                items = ((f"{path}[{i}]", v) for i, v in enumerate(node))
+            elif isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("T", "A"):
+                return path if next(iter(node.values())) == leaf else None
+            elif isinstance(node, dict):
+                (tag, val), *_ = node.items()
+                if tag in ("d", "od"):
+                    items = ((f"{path}.{k}", v) for k, v in val.items())
+                elif tag == "dk":
+                    items = ((f"{path}[{i}]", v) for i, (_, v) in enumerate(val))
+                else:
+                    items = ((path, v) for v in (val if tag == "tu" else [val]))
+            else:
+                return None
+            for p, v in items:
+                found = find(v, p)
+                if found:
+                    return found
+            return None
+
+        return find(self.tree, "state") or f"leaf #{leaf}"
 
 
-def _key_is_plain(k) -> bool:
-    return isinstance(k, str)
+# Containers at least this long whose values are all plain tensors take the bulk path: one C-level pass per
+# container instead of a Python call per element (a 10^5-tensor state dict is one such container).
+_BULK_MIN = 8
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_JSON_PLAIN = frozenset({str, int, bool, type(None)})  # exact types JSON holds as they are
+# {"T": i} of the bulk path, shared by every tree: a tree is only ever read (encoded to JSON), never changed.
+_TENSOR_REFS: list[dict] = []
+
+
+def _tensor_refs(start: int, n: int) -> list[dict]:
+    if len(_TENSOR_REFS) < start + n:
+        _TENSOR_REFS.extend({"T": i} for i in range(len(_TENSOR_REFS), start + n))
+    return _TENSOR_REFS[start: start + n]
+
+
+class _Keyed:
+    """A dict's keys over tensor leaves start, start+1, ...: the dict of refs is built when the tree is read."""
+
+    __slots__ = ("keys", "start")
+
+    def __init__(self, keys: list, start: int):
+        self.keys, self.start = keys, start
+
+    def spelled(self) -> dict:
+        return dict(zip(self.keys, _tensor_refs(self.start, len(self.keys))))
+
+
+class _Refused(Exception):
+    """A value that cannot be stored; containers add their key on the way up, so the path is only built on
+    failure."""
+
+    def __init__(self, reason: str):
+        self.reason, self.where = reason, []
+
+    def at(self, step: str) -> "_Refused":
+        self.where.append(step)
+        return self
 
 
 class _Flattener:
-    def __init__(self):
-        self.leaves: list[Leaf] = []
+    def __init__(self, bulk: bool = True):
+        self.values: list = []
+        self.replicated: list[tuple[int, int]] = []
+        self.shards: dict[int, tuple[ShardSpec, ...]] = {}
+        self.lazy: list = []
         self._seen: dict[int, int] = {}  # id(tensor) -> leaf index: tied weights are stored once
-        self._replicated = False
+        # Bulk runs are not checked against _seen one by one: flatten() checks all their ids at once at the
+        # end, and walks again without bulk runs if a tensor is met twice.
+        self._bulk = bulk
+        self.bulk_ids: list[int] = []
+        self._in_replicated = False
 
-    def leaf(self, value, shards=(), key=None) -> dict:
+    def leaf(self, value, key: int, shards=()) -> dict:
         # Keyed by the caller's object, which the state keeps alive, so ids cannot be recycled meanwhile.
-        key = id(value) if key is None else key
         idx = self._seen.get(key)
         if idx is None:
-            idx = len(self.leaves)
-            self._seen[key] = idx
-            self.leaves.append(Leaf(value, self._replicated, shards))
-        return {"A" if isinstance(value, np.ndarray) else "T": idx}
+            idx = self._seen[key] = len(self.values)
+            self.values.append(value)
+            if shards:
+                self.shards[idx] = shards
+        return {"A": idx} if isinstance(value, np.ndarray) else _tensor_refs(idx, 1)[0]
 
-    def encode(self, obj: Any, path: str) -> Any:
+    def bulk(self, values: list, types: set) -> int | None:
+        """The leaf index of the first of a run of plain tensors (of `types`), added in C-level passes; None
+        when the run is short or holds anything else (then element by element)."""
+        if not self._bulk or len(values) < _BULK_MIN or not types <= _PLAIN_TENSORS:
+            return None
+        start = len(self.values)
+        self.values.extend(values)
+        self.bulk_ids.extend(map(id, values))
+        return start
+
+    def unique(self) -> bool:
+        """No tensor of a bulk run was met anywhere else."""
+        ids = set(self.bulk_ids)
+        return len(ids) == len(self.bulk_ids) and ids.isdisjoint(self._seen)
+
+    def encode(self, obj: Any) -> Any:
+        kind = type(obj)  # the usual types first, by identity; subclasses and the rest below
+        if kind in _JSON_PLAIN:
+            return obj
+        if kind is dict or kind is OrderedDict:
+            return self.mapping(obj)
+        if kind in _PLAIN_TENSORS:
+            return self.leaf(obj, id(obj))
+        if kind is list:
+            return self.sequence(obj)
+        if kind is tuple:
+            return {"tu": self.sequence(obj)}
+        if kind is Sharded:
+            return self.leaf(obj.tensor, id(obj.tensor), obj.specs)
         if obj is None or isinstance(obj, (bool, str)):
             return obj
         if isinstance(obj, int) and type(obj) is int:
@@ -103,29 +227,31 @@ class _Flattener:
         if type(obj) is float:
             return obj if math.isfinite(obj) else {"f": repr(obj)}
         if isinstance(obj, torch.Tensor):
-            return self.tensor(obj, path)
+            return self.leaf(obj, id(obj))
         if isinstance(obj, Sharded):
-            return self.tensor(obj.tensor, path, obj.specs)
+            return self.leaf(obj.tensor, id(obj.tensor), obj.specs)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                raise UnsafeType(f"{path}: numpy array of Python objects cannot be stored without pickle")
-            return self.leaf(obj)
+                raise _Refused("numpy array of Python objects cannot be stored without pickle")
+            return self.leaf(obj, id(obj))
         if isinstance(obj, np.generic):
-            return {"np": obj.dtype.str, "v": self.encode(obj.item(), path)}
+            return {"np": obj.dtype.str, "v": self.encode(obj.item())}
         if isinstance(obj, Replicated):
-            if self._replicated:
-                return self.encode(obj.tree, path)
-            self._replicated = True
+            if self._in_replicated:
+                return self.encode(obj.tree)
+            self._in_replicated, start = True, len(self.values)
             try:
-                return {"R": self.encode(obj.tree, path)}
+                return {"R": self.encode(obj.tree)}
             finally:
-                self._replicated = False
+                self._in_replicated = False
+                if len(self.values) > start:
+                    self.replicated.append((start, len(self.values)))
         if isinstance(obj, dict):
-            return self.mapping(obj, path)
+            return self.mapping(obj)
         if isinstance(obj, list):
-            return [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return self.sequence(obj)
         if type(obj) is tuple:
-            return {"tu": [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+            return {"tu": self.sequence(obj)}
         if isinstance(obj, bytes):
             return {"b": base64.b64encode(obj).decode()}
         if isinstance(obj, torch.Size):
@@ -134,47 +260,102 @@ class _Flattener:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
-        return self.registered(obj, path)
+        return self.registered(obj)
 
-    def tensor(self, t: torch.Tensor, path: str, shards=()) -> dict:
-        if t.layout != torch.strided or t.is_quantized:
-            raise UnsafeType(f"{path}: {t.layout} tensors are not supported; convert to a dense tensor first")
-        return self.leaf(t.detach(), shards, key=id(t))
+    def sequence(self, obj) -> list:
+        types = set(map(type, obj))
+        if types <= _JSON_PLAIN:  # parameter ids and the like
+            return list(obj)
+        start = self.bulk(obj if type(obj) is list else list(obj), types)
+        if start is not None:
+            return _tensor_refs(start, len(obj))
+        out = []
+        for i, v in enumerate(obj):
+            try:
+                out.append(self.encode(v))
+            except _Refused as e:
+                raise e.at(f"[{i}]")
+        return out
 
-    def mapping(self, obj: dict, path: str) -> dict:
+    def mapping(self, obj: dict) -> dict:
         ordered = type(obj) is OrderedDict
         if type(obj) not in (dict, OrderedDict):
             if not safe_types.is_registered(type(obj)):
-                raise UnsafeType(f"{path}: dict subclass {type(obj).__qualname__} is not registered; "
-                                 f"call inmem_ft.snapshot.register_safe_class({type(obj).__qualname__})")
-        if all(_key_is_plain(k) for k in obj):
-            out = {"od" if ordered else "d": {k: self.encode(v, f"{path}.{k}") for k, v in obj.items()}}
+                raise _Refused(f"dict subclass {type(obj).__qualname__} is not registered; "
+                               f"call inmem_ft.snapshot.register_safe_class({type(obj).__qualname__})")
+        if len(obj) < _BULK_MIN:
+            str_keys, start = all(isinstance(k, str) for k in obj), None
         else:
-            out = {"dk": [[self.encode(k, f"{path}<key>"), self.encode(v, f"{path}[{k!r}]")]
-                          for k, v in obj.items()], "o": ordered}
+            keys = list(obj)
+            str_keys = set(map(type, keys)) <= {str} or all(isinstance(k, str) for k in keys)
+            values = list(obj.values()) if str_keys else []
+            start = self.bulk(values, set(map(type, values))) if str_keys else None
+        if str_keys:
+            if start is not None:
+                items = _Keyed(keys, start)
+            else:
+                items = {}
+                for k, v in obj.items():
+                    try:
+                        items[k] = self.encode(v)
+                    except _Refused as e:
+                        raise e.at(f".{k}")
+            out = {"od" if ordered else "d": items}
+            if start is not None:
+                self.lazy.append((out, "od" if ordered else "d"))
+        else:
+            pairs = []
+            for k, v in obj.items():
+                try:
+                    ek = self.encode(k)
+                except _Refused as e:
+                    raise e.at("<key>")
+                try:
+                    pairs.append([ek, self.encode(v)])
+                except _Refused as e:
+                    raise e.at(f"[{k!r}]")
+            out = {"dk": pairs, "o": ordered}
         # nn.Module.state_dict() carries per-module versions here; load_state_dict reads them.
         meta = getattr(obj, "_metadata", None)
         if meta is not None:
-            out["m"] = self.encode(dict(meta), f"{path}._metadata")
+            try:
+                out["m"] = self.encode(dict(meta))
+            except _Refused as e:
+                raise e.at("._metadata")
         return out
 
-    def registered(self, obj: Any, path: str) -> dict:
+    def registered(self, obj: Any) -> dict:
         cls = type(obj)
         if not safe_types.is_registered(cls):
-            raise UnsafeType(
-                f"{path}: value of type {cls.__module__}.{cls.__qualname__} cannot be stored without pickle; "
+            raise _Refused(
+                f"value of type {cls.__module__}.{cls.__qualname__} cannot be stored without pickle; "
                 f"convert it to plain data, or allow it with inmem_ft.snapshot.register_safe_class("
                 f"{cls.__qualname__}) if its __dict__ holds only data")
         name = safe_types.class_name(cls)
         if safe_types.is_enum(cls):
-            return {"enum": name, "v": self.encode(obj.value, path)}
-        return {"obj": name, "s": self.encode(dict(vars(obj)), path)}
+            return {"enum": name, "v": self.encode(obj.value)}
+        return {"obj": name, "s": self.encode(dict(vars(obj)))}
 
 
 def flatten(state: Any) -> FlatState:
-    f = _Flattener()
-    tree = f.encode(state, "state")
-    return FlatState(tree, f.leaves)
+    """The state as a JSON tree plus its leaves. Cheap per tensor: the bytes, dtypes and shapes are read by
+    whoever plans and copies them."""
+    # The walk only adds objects, and a 10^5-tensor state allocates enough of them to set off full garbage
+    # collections over the whole heap, at random steps; the training thread should not pay for those here.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        f = _Flattener()
+        tree = f.encode(state)
+        if not f.unique():
+            f = _Flattener(bulk=False)
+            tree = f.encode(state)
+    except _Refused as e:
+        raise UnsafeType(f"state{''.join(reversed(e.where))}: {e.reason}") from None
+    finally:
+        if was_enabled:
+            gc.enable()
+    return FlatState(tree, f.values, f.replicated, f.shards, f.lazy)
 
 
 def _decode(node: Any, leaves: list) -> Any:
