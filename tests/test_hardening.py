@@ -1,10 +1,14 @@
-"""Hardening (issue 11): SMP restarts, corruption, hostile control frames and EC lag, against real SMP
-daemons, real sockets and real /dev/shm."""
+"""Hardening (issue 11): SMP restarts, corruption, hostile control frames, EC lag, private shared memory and
+authenticated peer payloads, against real SMP daemons, real sockets and real /dev/shm."""
 import json
 import os
+import shutil
 import signal
 import socket
+import stat
 import struct
+import subprocess
+import sys
 import time
 
 import hypothesis
@@ -17,7 +21,8 @@ from conftest import wait_protected
 from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.restore import NoUsableSnapshot
 from inmem_ft.launcher.simulated import SimulatedCluster
-from inmem_ft.smp import control, paths, protocol
+from inmem_ft.errors import SMPUnavailable
+from inmem_ft.smp import control, inventory, paths, protocol
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment, names_with_prefix, path_of
 from inmem_ft.snapshot import segment as seg
@@ -127,7 +132,7 @@ def test_control_socket_survives_any_frame(job):
             sock.sendall(struct.pack(">I", protocol.MAX_MESSAGE + 1))
             assert protocol.recv(sock)["code"] == "bad_request"
         # Every segment a request made is one adoption parses, inside the budget, and one wipe removes.
-        names = [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if not n.endswith("complete")]
+        names = [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if not n.endswith(("complete", "lock"))]
         assert all(paths.parse_segment_name(n) for n in names), names
         assert sum(os.path.getsize(path_of(n)) for n in names) <= budget
         assert control.call(socket_path, "status")["used"] <= budget
@@ -296,3 +301,110 @@ def test_a_foreign_exception_on_one_rank_is_voted_and_never_leaves_the_others_wa
             assert complete == 1, text  # step 2 counts nowhere: rank 1 voted it down
             assert failures == (1 if rank == 1 else 0), text
         assert "event=failed: NotImplementedError" in logs[1] or "event=failed: RuntimeError" in logs[1], logs[1]
+
+
+# ---- shared memory is private ----------------------------------------------------------------------------
+def _two_steps_then_kill_the_smp(job):
+    proc = control.start(job, 0, 64 << 20)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        snap.save(1, state(1))
+        snap.save(2, state(2))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_segments_live_in_an_owner_only_namespace_and_a_planted_one_is_refused(job, tmp_path):
+    """Slots another owner holds, ones with group/other permissions, and links are refused (event=refused),
+    left in place and never adopted; restore then fails rather than start over."""
+    _two_steps_then_kill_the_smp(job)
+    directory = os.path.dirname(path_of(_slots(job)[0]))
+    assert directory == f"/dev/shm/inmemft-{os.getuid()}" and stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    old, new = _slots(job)  # generation 0 of slots 0 and 1: steps 1 and 2
+    os.chmod(path_of(new), 0o644)
+    if os.getuid() == 0:  # only root can give a file away; elsewhere the mode and link cases carry the test
+        os.chown(path_of(old), 65534, 65534)
+    link = paths.segment_name(job, 0, 1, 0, 0)  # a "slot" of rank 1 that points at a file of ours elsewhere
+    shutil.copy(path_of(new), tmp_path / "elsewhere")
+    os.chmod(tmp_path / "elsewhere", 0o600)
+    os.symlink(tmp_path / "elsewhere", path_of(link))
+    control.start(job, 0, 64 << 20)
+    try:
+        log = _log_when(job, "event=ready")
+        refused = [line for line in log.splitlines() if "event=refused" in line]
+        assert len(refused) == (3 if os.getuid() == 0 else 2), refused
+        assert any(new in line and "mode 0o644" in line for line in refused)
+        assert any(link in line and "symbolic link" in line for line in refused)
+        socket_path = paths.default_socket(job, 0)
+        assert control.call(socket_path, "list", rank=1)["slots"] == []
+        if os.getuid() == 0:
+            assert control.call(socket_path, "list", rank=0)["slots"] == []
+        assert all(os.path.lexists(path_of(n)) for n in (old, new, link))  # refused, not deleted
+        with pytest.raises(NoUsableSnapshot, match="completed step 2"):
+            Snapshotter(SnapshotConfig(job=job)).restore()
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+    # A wipe frees what the SMP held; what it refused stays for the operator, whom `smp clean` serves.
+    assert names_with_prefix(paths.segment_prefix(job, 0)) == sorted([old, new, link])
+    assert "removed 3 segment(s)" in _cli("smp", "clean", "--job", job).stdout
+    assert names_with_prefix(paths.segment_prefix(job, 0)) == []
+
+
+def test_a_namespace_directory_that_is_not_private_is_refused(tmp_path, monkeypatch):
+    from inmem_ft.errors import ForeignSegment
+    from inmem_ft.smp import segments
+
+    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
+    own = tmp_path / f"inmemft-{os.getuid()}"
+    own.mkdir(mode=0o755)
+    os.chmod(own, 0o755)
+    with pytest.raises(ForeignSegment, match="mode 0700, but it is a directory .* mode 0o755"):
+        Segment("inmemft.x.n0.r0.s0.g0", 4096, create=True)
+    own.rmdir()
+    os.symlink(tmp_path, own)  # a link planted where the directory would be
+    with pytest.raises(ForeignSegment, match="it is a non-directory"):
+        segments.names_with_prefix("inmemft.")
+    own.unlink()
+    segment = Segment("inmemft.x.n0.r0.s0.g0", 4096, create=True)  # created 0700 when missing
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700 and stat.S_IMODE(os.stat(path_of(segment.name)).st_mode) == 0o600
+    segment.close()
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "inmem_ft", *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def test_stale_segments_are_listed_and_cleaned_with_no_smp_running(job, runtime):
+    """An SMP killed with its job leaves its segments: `smp status` lists them with no SMP running, `smp clean`
+    removes them (honouring --older-than), and never touches those a running SMP serves, nor lets a second
+    SMP serve the same node."""
+    live = f"{job}live"
+    _two_steps_then_kill_the_smp(job)
+    control.start(live, 0, 64 << 20)
+    try:
+        with Snapshotter(SnapshotConfig(job=live, interval=1)) as snap:
+            snap.save(1, state(1))
+        with pytest.raises(SMPUnavailable, match=f"already serves job {live} node 0"):
+            control.start(live, 0, 64 << 20, socket_path=str(runtime / "other.sock"))
+        out = _cli("smp", "status", "--job", job)
+        assert out.returncode == 1 and "no SMP is listening" in out.stderr
+        row = next(line.split() for line in out.stdout.splitlines() if line.startswith(job + " "))
+        assert row[1] == "0" and row[2] == "3" and row[-1] == "2"  # 2 slots and the record of the complete step
+        status = json.loads(_cli("smp", "status", "--job", live, "--json").stdout)
+        assert status["job"] == live and any(s["job"] == job for s in status["stale"])
+        assert not any(s["job"] == live for s in status["stale"])  # its SMP runs
+        assert _cli("smp", "clean").returncode == 1  # says what to remove first
+        kept = _cli("smp", "clean", "--job", job, "--older-than", "1h")
+        assert kept.returncode == 0 and "no segments to remove" in kept.stdout
+        assert len(names_with_prefix(paths.segment_prefix(job, 0))) == 4  # and the lock the killed SMP held
+        cleaned = _cli("smp", "clean", "--job", job)
+        assert cleaned.returncode == 0 and f"removed 3 segment(s) of job {job} node 0" in cleaned.stdout
+        assert names_with_prefix(paths.segment_prefix(job, 0)) == []
+        served = _cli("smp", "clean", "--job", live)
+        assert f"kept job {live} node 0: its SMP (pid" in served.stdout
+        assert control.call(paths.default_socket(live, 0), "status")["job"] == live
+        with pytest.raises(SMPUnavailable, match="still serves"):
+            inventory.remove(live, 0)
+    finally:
+        control.stop(paths.default_socket(live, 0), wipe=True)
+    assert names_with_prefix(paths.segment_prefix(live, 0)) == []
