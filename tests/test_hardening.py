@@ -9,6 +9,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import hypothesis
@@ -21,7 +22,9 @@ from conftest import wait_protected
 from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.restore import NoUsableSnapshot
 from inmem_ft.launcher.simulated import SimulatedCluster
-from inmem_ft.errors import SMPUnavailable
+from inmem_ft.cluster import transport
+from inmem_ft.errors import InmemFTError, SMPUnavailable
+from inmem_ft.launcher.simulated import free_port
 from inmem_ft.smp import control, inventory, paths, protocol
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment, names_with_prefix, path_of
@@ -212,9 +215,10 @@ def test_restarted_smp_says_corrupt_slots_and_not_blank_ones(job):
 
 
 # ---- erasure-coding lag never stalls training ------------------------------------------------------------
-def _write_rank(socket_path, rank, step, keep):
-    """Commit `step` of `rank` by hand (a trainer of another node), tiny random bytes; not yet complete."""
-    data = os.urandom(4096 + 64 * step)
+def _write_rank(socket_path, rank, step, keep, size=None):
+    """Commit `step` of `rank` by hand (a trainer of another node), random bytes (tiny unless `size`); not yet
+    complete. Returns the bytes."""
+    data = os.urandom(size or 4096 + 64 * step)
     manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": 2,
                 "leaves": [{"o": 0, "n": len(data), "h": to_hex(checksum(data)), "dt": "uint8", "sh": [len(data)]}]}
     raw = seg.encode_manifest(manifest)
@@ -230,6 +234,7 @@ def _write_rank(socket_path, rank, step, keep):
         client.call("commit", rank=rank, step=step)
     finally:
         client.close()
+    return data
 
 
 def test_erasure_coding_lag_skips_a_snapshot_and_says_so(job, runtime, monkeypatch):
@@ -408,3 +413,139 @@ def test_stale_segments_are_listed_and_cleaned_with_no_smp_running(job, runtime)
     finally:
         control.stop(paths.default_socket(live, 0), wipe=True)
     assert names_with_prefix(paths.segment_prefix(live, 0)) == []
+
+
+# ---- peer payloads are authenticated ----------------------------------------------------------------------
+SECRET = "hardening-secret-" + "p" * 20
+FLIP_AT = 200_000  # a byte of the server's stream far past the handshake and the reply header: in the payload
+
+
+class TamperingProxy:
+    """A real TCP relay to `target`; a connection opened while it is armed has one byte of what the server sends
+    flipped on the way (FLIP_AT)."""
+
+    def __init__(self, target):
+        self.target, self.armed = target, False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.armed), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, flip):
+        seen = 0
+        try:
+            while data := src.recv(1 << 16):
+                if flip and seen <= FLIP_AT < seen + len(data):
+                    data = bytearray(data)
+                    data[FLIP_AT - seen] ^= 0x01
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def _smp_with_peers(job, node, peers):
+    """An SMP linked to its peers by the list `peers` (nodes may be given different lists, as by a typo)."""
+    return control.start(job, node, 64 << 20, extra_args=["--peers", peers],
+                         env={**os.environ, "INMEM_FT_SECRET": SECRET})
+
+
+def _stop(job, nodes):
+    for node in nodes:
+        if control.ping(paths.default_socket(job, node)):
+            control.stop(paths.default_socket(job, node), wipe=True)
+
+
+def test_a_payload_flipped_on_the_wire_is_refused_and_a_clean_one_passes(job):
+    """Node 0 reads node 1's slot through a real relay that flips one payload byte: node 0 refuses it
+    (event=refused, the read fails saying why) and reads the exact bytes once the relay is honest."""
+    ports = [free_port(), free_port()]
+    _smp_with_peers(job, 1, f"0=127.0.0.1:{ports[0]},1=127.0.0.1:{ports[1]}")
+    proxy = TamperingProxy(("127.0.0.1", ports[1]))
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{ports[0]},1={proxy.address}")
+    client = SMPClient(paths.default_socket(job, 0))
+    try:
+        data = _write_rank(paths.default_socket(job, 1), 1, 1, None, size=1 << 20)
+        [entry] = control.call(paths.default_socket(job, 1), "list", rank=1)["slots"]
+        with open(path_of(entry["segment"]), "rb") as f:
+            header = seg.Header.read(f.read(seg.HEADER_SIZE))
+        proxy.armed = True
+        with pytest.raises(InmemFTError, match=r"payload of \d+ bytes fails its MAC: tampered with in transit"):
+            client.read(1, 1, 1, header.data_off, len(data))
+        log = open(paths.default_log(job, 0)).read()
+        assert "transport node=0 event=refused peer=1" in log and "fails its MAC" in log
+        proxy.armed = False
+        got, source = client.read(1, 1, 1, header.data_off, len(data))
+        assert source == "memory" and got.tobytes() == data
+    finally:
+        client.close()
+        proxy.close()
+        _stop(job, (0, 1))
+
+
+def test_a_wrong_peers_entry_is_caught_naming_both_nodes(job):
+    """Node 0's --peers gives node 2's address to node 1: node 0 says so instead of talking to the wrong node,
+    and node 2 refuses it too."""
+    ports = [free_port() for _ in range(3)]
+    right = ",".join(f"{n}=127.0.0.1:{p}" for n, p in enumerate(ports))
+    _smp_with_peers(job, 2, right)
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{ports[0]},1=127.0.0.1:{ports[2]}")
+    client = SMPClient(paths.default_socket(job, 0))
+    try:
+        [unreachable] = client.catalog()["unreachable"]
+        assert unreachable["node"] == 1
+        assert f"the SMP at 127.0.0.1:{ports[2]} is node 2 of job {job}, but node 0's --peers gives that address " \
+               f"to node 1" in unreachable["error"]
+        log = open(paths.default_log(job, 2)).read()
+        assert "event=refused" in log and "node 0 reached this SMP as node 1, but it is node 2" in log
+    finally:
+        client.close()
+        _stop(job, (0, 2))
+
+
+def test_an_unauthenticated_peer_is_dropped_within_seconds(job):
+    """A connection that says nothing, and one that trickles a byte at a time, are both dropped once the
+    handshake time is up (transport.HANDSHAKE_S), and said."""
+    port = free_port()
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{port}")
+    try:
+        idle, trickle = (socket.create_connection(("127.0.0.1", port)) for _ in range(2))
+        hello = iter(struct.pack(">I", 1000) + b" " * 1000)  # a frame that would be valid, one byte a round
+        deadline = time.monotonic() + 60  # far above HANDSHAKE_S: a bound, not a timing
+        open_ = {idle, trickle}
+        while open_ and time.monotonic() < deadline:
+            for sock in list(open_):
+                try:
+                    if sock is trickle:
+                        sock.sendall(bytes([next(hello)]))
+                    sock.settimeout(0.2)
+                    while sock.recv(4096):  # the server's hello; b"" once it hangs up
+                        pass
+                    open_.discard(sock)
+                except socket.timeout:
+                    pass
+                except OSError:
+                    open_.discard(sock)
+        assert not open_, "an unauthenticated connection was still open after 60 s"
+        said = f"reason=no valid handshake within {transport.HANDSHAKE_S:.0f} s: dropped"
+        while open(paths.default_log(job, 0)).read().count(said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the log line may trail the hang-up
+        assert open(paths.default_log(job, 0)).read().count(said) == 2
+    finally:
+        _stop(job, (0,))
