@@ -304,7 +304,7 @@ class PeerClient:
                     self._channel.send(header, pieces)
                     reply, payload = self._channel.recv(into)
                     break
-                except (OSError, PeerUnavailable, ValueError, KeyError) as e:
+                except (OSError, PeerUnavailable, ValueError, KeyError, TypeError) as e:
                     self._close_locked()
                     if attempt < retries:
                         continue
