@@ -55,7 +55,10 @@ def holdings() -> list[NodeSegments]:
         group.bytes += st.st_size
         group.last_write = max(group.last_write, st.st_mtime)
     for group in found.values():
-        group.pid = nodelock.holder(group.job, group.node)
+        try:
+            group.pid = nodelock.holder(group.job, group.node)
+        except ForeignSegment:
+            group.pid = None  # a planted lock file: no SMP holds it
     return [found[key] for key in sorted(found)]
 
 
@@ -69,7 +72,11 @@ def stale(job: str | None = None, older_than_s: float | None = None) -> list[Nod
 def remove(job: str, node: int) -> tuple[int, int]:
     """Unlink every file of `job` on `node` (slots, parity, records) with no SMP involved: for a node that is
     lost, or whose SMP is gone. Refused while an SMP serves them. Returns (files, bytes) freed."""
-    lock = nodelock.NodeLock.try_acquire(job, node)
+    try:
+        lock = nodelock.NodeLock.try_acquire(job, node)
+    except ForeignSegment:  # a planted lock file is no SMP's lock, and removing plants is this function's job
+        unlink(paths.lock_name(job, node))
+        lock = nodelock.NodeLock.try_acquire(job, node)
     if lock is None:
         raise SMPUnavailable(f"an SMP (pid {nodelock.holder(job, node)}) still serves job {job} node {node}: stop "
                              f"it with `inmem-ft smp stop --job {job} --node {node} --wipe` instead")
