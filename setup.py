@@ -13,6 +13,7 @@ setup(
         "numpy<2.4",
         "pyarrow",
         "xxhash>=3",
+        "cryptography>=50",  # AES-GMAC over SMP-to-SMP payloads (cluster/mac.py)
         "tqdm",
         "pyeclib==1.8.0",  # only for the ISA-L shared library it bundles
     ],

@@ -5,10 +5,14 @@
 For each code (k=4,m=2 and k=8,m=2) it times, interleaved so machine noise hits them all alike:
 encoding all parity with one call split across the codec's threads (ec/parallel.py) and on one core,
 decoding two lost data blocks (split), a numpy copy of the same data into a preallocated buffer (one
-core), and xxh3 over it (what authenticated SMP-to-SMP transfers add per byte: the HMAC covers each
-message's header, which carries the payload's xxh3). Figures are medians in GB/s (1e9 bytes) of data
+core), and xxh3 over it (the checksum every snapshot region carries). Figures are medians in GB/s (1e9 bytes) of data
 bytes. The encode/memcpy ratio says whether parity keeps up with the copy that takes a snapshot
 (target >= 1.0).
+
+The MAC rows time the MAC every SMP-to-SMP payload carries (cluster/mac.py: AES-256-GMAC, fed in the
+transport's pieces) next to RS(4,2) encoding of the same bytes, interleaved likewise, with the keyed hashes
+it was chosen over: hashlib.blake2b (stdlib) and BLAKE3 (the `blake3` package; its row where that is
+installed). `MAC time / encode time` is what authenticating a byte costs next to encoding it.
 
 `protect_s` is end to end: a 4-node group of real SMP processes on loopback (one rank per node, m=2),
 each node commits a snapshot, the job declares it complete, and the clock stops when every SMP
@@ -18,6 +22,7 @@ reports it protected (parity pulled over authenticated TCP, encoded and sealed o
 """
 
 import argparse
+import hashlib
 import os
 import platform
 import statistics
@@ -30,6 +35,7 @@ import numpy as np
 # Runs from a checkout without installing the package.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from inmem_ft.cluster import mac, transport  # noqa: E402
 from inmem_ft.ec.codec import RSCodec  # noqa: E402
 from inmem_ft.ec.isal import LIB_PATH  # noqa: E402
 from inmem_ft.launcher.simulated import SimulatedCluster  # noqa: E402
@@ -99,6 +105,50 @@ def measure_code(k, m, data, repeats):
     }
 
 
+MAC_CODE = (4, 2)
+MAC_KEY = bytes(range(mac.KEY_SIZE))
+
+
+def _mac_variants():
+    """(name, label, make a fresh hasher with update/digest): the chosen MAC and the alternatives."""
+    variants = [("AES-GMAC", "AES-256-GMAC (chosen)", lambda: mac.PayloadMAC(MAC_KEY, "c2s", 0)),
+                ("blake2b", "hashlib.blake2b keyed", lambda: hashlib.blake2b(key=MAC_KEY))]
+    try:
+        import blake3
+    except ImportError:
+        return variants  # not a dependency: its row only where it is installed
+    return variants + [("BLAKE3", "BLAKE3 keyed, 1 thread", lambda: blake3.blake3(key=MAC_KEY))]
+
+
+def measure_mac(data, repeats):
+    """Median GB/s of each MAC and of RS(4,2) encode over the same bytes, interleaved."""
+    k, m = MAC_CODE
+    codec = RSCodec(k, m)
+    blocks = np.split(data, k)
+    parity = [np.empty_like(blocks[0]) for _ in range(m)]
+    view = memoryview(data)
+
+    def pieces(make):
+        h = make()
+        for off in range(0, len(view), transport.PIECE):
+            h.update(view[off: off + transport.PIECE])
+        return h.digest()
+
+    variants = _mac_variants()
+    fns = {"encode": lambda: codec.encode(blocks, parity),
+           **{name: (lambda make=make: pieces(make)) for name, _, make in variants}}
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn))
+    gbps = {name: data.nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {"code": list(MAC_CODE), "encode_GBps": gbps["encode"],
+            "variants": [{"name": name, "label": label, "GBps": gbps[name],
+                          "time_vs_encode": gbps["encode"] / gbps[name]} for name, label, _ in variants]}
+
+
 def _commit(socket_path, rank, step, data):
     manifest = {"rank": rank, "step": step, "world_size": 4,
                 "leaves": [{"o": 0, "n": data.nbytes, "h": to_hex(checksum(data)), "dt": "uint8", "sh": [data.nbytes]}]}
@@ -152,6 +202,8 @@ def run(quick):
         "config": {"data_bytes": size, "repeats": repeats, "quick": quick, "target_ratio": TARGET_RATIO},
         "ec_throughput": [timed_phase(f"RS({k},{m}) encode/decode vs memcpy, {size // MIB} MiB x {repeats}",
                                       measure_code, k, m, data, repeats) for k, m in CODES],
+        "mac": timed_phase(f"payload MAC vs RS({MAC_CODE[0]},{MAC_CODE[1]}) encode, {size // MIB} MiB x {repeats}",
+                           measure_mac, data, repeats),
         "protect": timed_phase("protect_s: 4-node group on loopback", measure_protect, 64 * MIB),
     }
 
@@ -181,13 +233,22 @@ def format_table(results):
         )
         for r in results["ec_throughput"]
     ]
-    widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
     lines = [f"{cfg['data_bytes'] // MIB} MiB of data, median of {cfg['repeats']}, ISA-L {results['machine']['isal']}"]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + rows]
+    lines += _aligned(head, rows)
+    macs = results["mac"]
+    k, m = macs["code"]
+    rows = [(v["label"], f"{v['GBps']:.2f}", f"{v['time_vs_encode']:.2f}") for v in macs["variants"]]
+    rows.append((f"RS({k},{m}) encode, for reference", f"{macs['encode_GBps']:.2f}", "1.00"))
+    lines += _aligned(("payload MAC", "GB/s", f"MAC time / RS({k},{m}) encode time"), rows)
     p = results["protect"]
     lines.append(f"protect_s (commit -> protected, {p['nodes']}-node group on loopback, m={p['m']}, "
                  f"{p['node_bytes'] // MIB} MiB per node): {p['protect_s']:.3f} s")
     return "\n".join(lines)
+
+
+def _aligned(head, rows):
+    widths = [max(len(row[i]) for row in [head] + rows) for i in range(len(head))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + rows]
 
 
 def plot(results, path):
@@ -201,7 +262,7 @@ def plot(results, path):
               ("decode_GBps", "decode (2 lost)"), ("memcpy_GBps", "memcpy (1 core)"), ("xxh3_GBps", "xxh3"))
     x = np.arange(len(rows))
     width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, (ax, mac_ax) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     for i, (key, label) in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * width, [r[key] for r in rows], width, label=label)
     ax.set_xticks(x, [f"RS(k={r['k']}, m={r['m']})" for r in rows])
@@ -209,6 +270,13 @@ def plot(results, path):
     ax.set_title(f"ISA-L erasure coding vs memcpy, {results['config']['data_bytes'] // MIB} MiB, "
                  f"{results['machine']['cores']} cores")
     ax.legend(fontsize=7)
+    macs = results["mac"]
+    k, m = macs["code"]
+    names = [v["name"] for v in macs["variants"]] + [f"RS({k},{m}) encode"]
+    mac_ax.bar(names, [v["GBps"] for v in macs["variants"]] + [macs["encode_GBps"]],
+               color=["C3"] + ["C7"] * (len(names) - 2) + ["C0"])
+    mac_ax.set_ylabel("GB/s (median)")
+    mac_ax.set_title("payload MAC vs encode, 1 core")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

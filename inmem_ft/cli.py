@@ -6,13 +6,15 @@ import json
 import os
 import re
 import sys
+import time
 
 from . import units
 from .cluster import survival
 from .cluster.options import ECOptions, add_ec_arguments, options_from_args
-from .errors import ConfigError, InmemFTError
-from .smp import control, paths
+from .errors import ConfigError, InmemFTError, SMPUnavailable
+from .smp import control, inventory, paths
 from .smp.daemon import check_budget_fits
+from .smp.segments import namespace
 
 # Below this a budget holds the two slots of only a toy model's ranks: worth a warning, not an error.
 SMALL_BUDGET = 1 << 30
@@ -97,8 +99,8 @@ def cmd_smp_stop(args) -> int:
         # Nothing to stop; --wipe still frees what a dead or stopped SMP left in /dev/shm.
         print(f"inmem-ft: no SMP is running on {socket}; nothing to stop")
         if args.wipe:
-            count, size = control.wipe_segments(args.job, args.node)
-            print(f"inmem-ft: wiped {count} segment(s) of job {args.job} node {args.node} from /dev/shm "
+            count, size = inventory.remove(args.job, args.node)
+            print(f"inmem-ft: wiped {count} segment(s) of job {args.job} node {args.node} from shared memory "
                   f"({units.human(size)})")
         return 0
     control.stop(socket, wipe=args.wipe)
@@ -135,10 +137,63 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
+def format_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def format_stale(rows: list[dict]) -> str:
+    if not rows:
+        return "segments no running SMP serves: none"
+    lines = [f"segments no running SMP serves (kept for a re-queue, or left by a job whose SMP died), in "
+             f"{namespace()}; `inmem-ft smp clean` removes them:",
+             f"{'job':<24} {'node':>4} {'files':>5} {'bytes':>12} {'last written':>14} {'complete step':>13}"]
+    for r in rows:
+        step = "-" if r["complete_step"] is None else r["complete_step"]
+        lines.append(f"{r['job']:<24} {r['node']:>4} {r['files']:>5} {units.human(r['bytes']):>12} "
+                     f"{format_age(r['age_s']) + ' ago':>14} {step:>13}")
+    return "\n".join(lines)
+
+
 def cmd_smp_status(args) -> int:
-    status = control.call(_socket(args), "status")
+    now = time.time()
+    stale = [g.as_dict(now) for g in inventory.stale()]
+    try:
+        status = control.call(_socket(args), "status")
+    except SMPUnavailable:
+        # Still show what is left in shared memory: with no SMP running, that is what an operator asks about.
+        print(json.dumps({"stale": stale}, indent=2) if args.json else format_stale(stale))
+        raise
     status["held_step"] = held_step(status)
-    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    status["stale"] = stale
+    print(json.dumps(status, indent=2) if args.json else format_status(status) + "\n" + format_stale(stale))
+    return 0
+
+
+def cmd_smp_clean(args) -> int:
+    if args.job is None and args.older_than is None and not args.all:
+        raise ConfigError("say what to remove: --job J, --older-than 2h, or --all (every job's segments that no "
+                          "running SMP serves)")
+    now, removed = time.time(), 0
+    for group in inventory.stale(args.job, args.older_than):
+        if args.node is not None and group.node != args.node:
+            continue
+        try:
+            count, size = inventory.remove(group.job, group.node)
+        except SMPUnavailable as e:  # an SMP started for it since we looked
+            print(f"inmem-ft: kept job {group.job} node {group.node}: {e}")
+            continue
+        removed += 1
+        print(f"inmem-ft: removed {count} segment(s) of job {group.job} node {group.node} ({units.human(size)}, "
+              f"last written {format_age(now - group.last_write)} ago)")
+    if not removed:
+        print("inmem-ft: no segments to remove: none that no running SMP serves matches")
+    for group in inventory.holdings():
+        if group.pid is not None and group.job == args.job and args.node in (None, group.node):
+            print(f"inmem-ft: kept job {group.job} node {group.node}: its SMP (pid {group.pid}) is running; "
+                  f"`inmem-ft smp stop --job {group.job} --node {group.node} --wipe` removes them")
     return 0
 
 
@@ -246,12 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
     stop = smp.add_parser("stop", help="stop the node's SMP")
     _node_args(stop)
     stop.add_argument("--wipe", action="store_true",
-                      help="also delete its snapshots from /dev/shm, also when no SMP is running (default: keep)")
+                      help="also delete its snapshots from shared memory, also when no SMP is running (default: keep)")
     stop.set_defaults(fn=cmd_smp_stop)
-    status = smp.add_parser("status", help="show the SMP's slots, steps and memory")
+    status = smp.add_parser("status", help="show the SMP's slots, steps and memory, and the segments no running "
+                                           "SMP serves")
     _node_args(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON (default: a table)")
     status.set_defaults(fn=cmd_smp_status)
+    clean = smp.add_parser("clean", help="remove segments that no running SMP serves (stopped or dead SMPs' "
+                                         "snapshots), also with no SMP running")
+    clean.add_argument("--job", default=None, help="only this job's (default: every job's)")
+    clean.add_argument("--node", type=int, default=None, help="only this node's (default: every node's)")
+    clean.add_argument("--older-than", type=units.argparse_duration, default=None, metavar="AGE",
+                       help="only those last written at least AGE ago, e.g. 90s, 30m, 2h, 7d (default: any age)")
+    clean.add_argument("--all", action="store_true",
+                       help="every job's, when neither --job nor --older-than narrows it (default: one of the "
+                            "three is required)")
+    clean.set_defaults(fn=cmd_smp_clean)
 
     inspect = sub.add_parser("inspect", help="every fragment of every rank of a step, where its bytes live "
                                              "(any node, or parity for a lost one) and whether each tensor is covered")

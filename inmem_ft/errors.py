@@ -43,3 +43,8 @@ class StepIncomplete(InmemFTError):
 
 class CatalogHole(InmemFTError):
     """The main fragments of a global tensor miss some of its elements or hold some twice."""
+
+
+class ForeignSegment(InmemFTError):
+    """A shared-memory file (or the private directory) that this user's SMP did not create: another owner,
+    loose permissions, a link. It is refused and left in place, never adopted."""

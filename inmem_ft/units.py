@@ -1,4 +1,4 @@
-"""Byte sizes as people write them ("8GiB", "512MB", 1048576)."""
+"""Byte sizes and durations as people write them ("8GiB", "512MB", 1048576; "30m", "2h")."""
 import argparse
 import re
 
@@ -34,3 +34,15 @@ def human(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def argparse_duration(value: str) -> float:
+    """Seconds from "90", "90s", "30m", "2h" or "7d", for an argparse `type=`."""
+    m = _DURATION.match(value)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration; write e.g. 90s, 30m, 2h or 7d")
+    return float(m[1]) * _SECONDS[m[2]]

@@ -15,10 +15,11 @@
 #      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
 #      and the restarted ranks restore from the SMPs, which outlive the restarts;
 #   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
-#      with SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). The snapshots stay
-#      in shared memory (/dev/shm/inmemft.<job>.*) so that a re-queued job under the same job id resumes
-#      from them; set INMEM_FT_WIPE_ON_EXIT=1 to delete them instead (then free them yourself otherwise:
-#      `inmem-ft smp start ... && inmem-ft smp stop --wipe`, or remove /dev/shm/inmemft.<job>.*).
+#      with SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). A job that
+#      finished (torchrun exit code 0, no signal) has its snapshots released; after a failure or a stop from
+#      outside they stay in shared memory (/dev/shm/inmemft-<uid>/inmemft.<job>.*) so that a re-queued job
+#      under the same job id resumes from them (INMEM_FT_WIPE_ON_EXIT changes this). `inmem-ft smp status`
+#      lists what stopped SMPs left there, `inmem-ft smp clean --job <job>` frees it.
 #
 # Environment:
 #   INMEM_FT_JOB            job id, 1-64 of [A-Za-z0-9_-] (default: $SLURM_JOB_ID); the same on every node
@@ -35,8 +36,10 @@
 #                           environment only: never on a command line, never in the trainers' environment.
 #   INMEM_FT_SMP_ARGS       extra arguments for `inmem-ft smp start` (split on whitespace), e.g. the EC
 #                           options "--parity 1 --nodes 4 --peers 0=node0:7100,1=node1:7100,..."
-#   INMEM_FT_WIPE_ON_EXIT   1: delete this node's snapshots from shared memory when the job ends (default 0:
-#                           keep them); when signalled, after the SMP has spilled (INMEM_FT_SPILL_DIR)
+#   INMEM_FT_WIPE_ON_EXIT   when to delete this node's snapshots from shared memory as the job ends:
+#                           finished (default: when torchrun exits 0 and no signal stopped the job), 1 (always;
+#                           when signalled, after the SMP has spilled to INMEM_FT_SPILL_DIR), 0 (never: keep even
+#                           a finished job's, e.g. to `inmem-ft export` it)
 #   INMEM_FT_SPILL_DIR      a directory (shared or node-local disk) where the SMP, when this launcher is
 #                           signalled (preemption, scancel, requeue, time limit), writes the newest step
 #                           complete on every rank before it exits; a later SMP of the same job and node
@@ -98,6 +101,9 @@ done
 (( NNODES >= 1 )) || fail 2 "NNODES must be at least 1"
 (( NPROC_PER_NODE >= 1 )) || fail 2 "NPROC_PER_NODE must be at least 1"
 (( NODE_RANK < NNODES )) || fail 2 "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+WIPE_ON_EXIT="${INMEM_FT_WIPE_ON_EXIT:-finished}"
+[[ "$WIPE_ON_EXIT" == finished || "$WIPE_ON_EXIT" == 1 || "$WIPE_ON_EXIT" == 0 ]] \
+    || fail 2 "INMEM_FT_WIPE_ON_EXIT='$WIPE_ON_EXIT' must be finished, 1 or 0"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
     (( NNODES == 1 )) || fail 2 "MASTER_ADDR is not set: the address of node 0, reachable from every node"
     MASTER_ADDR=127.0.0.1
@@ -148,6 +154,7 @@ node_args=(--job "$INMEM_FT_JOB" --node "$NODE_RANK" --socket "$INMEM_FT_SMP_SOC
 
 smp_pid=""
 torchrun_pid=""
+torchrun_rc=""
 signalled=""
 smp_done=""
 # shellcheck disable=SC2317  # called from traps
@@ -171,10 +178,14 @@ smp_running() { "${smp[@]}" status "${node_args[@]}" >/dev/null 2>&1; }
 alive() { [[ -r "/proc/$1/status" ]] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status"; }
 # shellcheck disable=SC2317  # called from the EXIT trap
 stop_smp() {
-    local wipe=() rc pid wiped
+    local wipe=() why="" rc pid wiped
     [[ -n "$smp_done" ]] && return
     smp_done=1
-    [[ "${INMEM_FT_WIPE_ON_EXIT:-0}" == 1 ]] && wipe=(--wipe)
+    if [[ "$WIPE_ON_EXIT" == 1 ]]; then
+        wipe=(--wipe)
+    elif [[ "$WIPE_ON_EXIT" == finished && -z "$signalled" && "$torchrun_rc" == 0 ]]; then
+        wipe=(--wipe) why=" reason=finished"  # nothing will resume from them: give the memory back
+    fi
     if [[ -n "$signalled" ]]; then
         # Stopped from outside (preemption, scancel, requeue, time limit): the SMP gets SIGTERM, on which it
         # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one;
@@ -191,7 +202,7 @@ stop_smp() {
     "${smp[@]}" stop "${node_args[@]}" "${wipe[@]}" >/dev/null 2>&1
     rc=$?
     if (( rc == 0 )); then
-        log "smp_stopped wiped=${INMEM_FT_WIPE_ON_EXIT:-0}"
+        log "smp_stopped wiped=${#wipe[@]}${why}"
     else
         log "smp_stop_failed rc=$rc pid=${smp_pid:-?}"
         [[ -n "$smp_pid" ]] && kill -TERM "$smp_pid" 2>/dev/null
@@ -239,5 +250,6 @@ while :; do
     rc=$?
     kill -0 "$torchrun_pid" 2>/dev/null || break  # else: wait was interrupted by a trapped signal
 done
+torchrun_rc="$rc"
 log "torchrun_exit rc=$rc"
 exit "$rc"

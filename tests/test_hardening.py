@@ -1,10 +1,15 @@
-"""Hardening (issue 11): SMP restarts, corruption, hostile control frames and EC lag, against real SMP
-daemons, real sockets and real /dev/shm."""
+"""Hardening (issue 11): SMP restarts, corruption, hostile control frames, EC lag, private shared memory and
+authenticated peer payloads, against real SMP daemons, real sockets and real /dev/shm."""
 import json
 import os
+import shutil
 import signal
 import socket
+import stat
 import struct
+import subprocess
+import sys
+import threading
 import time
 
 import hypothesis
@@ -17,7 +22,10 @@ from conftest import wait_protected
 from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.restore import NoUsableSnapshot
 from inmem_ft.launcher.simulated import SimulatedCluster
-from inmem_ft.smp import control, paths, protocol
+from inmem_ft.cluster import transport
+from inmem_ft.errors import InmemFTError, SMPUnavailable
+from inmem_ft.launcher.simulated import free_port
+from inmem_ft.smp import control, inventory, paths, protocol
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment, names_with_prefix, path_of
 from inmem_ft.snapshot import segment as seg
@@ -127,7 +135,7 @@ def test_control_socket_survives_any_frame(job):
             sock.sendall(struct.pack(">I", protocol.MAX_MESSAGE + 1))
             assert protocol.recv(sock)["code"] == "bad_request"
         # Every segment a request made is one adoption parses, inside the budget, and one wipe removes.
-        names = [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if not n.endswith("complete")]
+        names = [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if not n.endswith(("complete", "lock"))]
         assert all(paths.parse_segment_name(n) for n in names), names
         assert sum(os.path.getsize(path_of(n)) for n in names) <= budget
         assert control.call(socket_path, "status")["used"] <= budget
@@ -160,11 +168,11 @@ def _slots(job):
     return [n for n in names_with_prefix(paths.segment_prefix(job, 0)) if paths.parse_segment_name(n)]
 
 
-def _log_when(job, text, timeout=10):
+def _log_when(job, text, timeout=10, node=0):
     deadline = time.monotonic() + timeout  # a killed SMP's replacement logs adoption before it answers
-    while text not in open(paths.default_log(job, 0)).read() and time.monotonic() < deadline:
+    while text not in open(paths.default_log(job, node)).read() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return open(paths.default_log(job, 0)).read()
+    return open(paths.default_log(job, node)).read()
 
 
 def test_a_node_of_ranks_connecting_while_the_smp_is_busy_all_get_in(job):
@@ -231,9 +239,10 @@ def test_restarted_smp_says_corrupt_slots_and_not_blank_ones(job):
 
 
 # ---- erasure-coding lag never stalls training ------------------------------------------------------------
-def _write_rank(socket_path, rank, step, keep):
-    """Commit `step` of `rank` by hand (a trainer of another node), tiny random bytes; not yet complete."""
-    data = os.urandom(4096 + 64 * step)
+def _write_rank(socket_path, rank, step, keep, size=None):
+    """Commit `step` of `rank` by hand (a trainer of another node), random bytes (tiny unless `size`); not yet
+    complete. Returns the bytes."""
+    data = os.urandom(size or 4096 + 64 * step)
     manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": 2,
                 "leaves": [{"o": 0, "n": len(data), "h": to_hex(checksum(data)), "dt": "uint8", "sh": [len(data)]}]}
     raw = seg.encode_manifest(manifest)
@@ -249,6 +258,7 @@ def _write_rank(socket_path, rank, step, keep):
         client.call("commit", rank=rank, step=step)
     finally:
         client.close()
+    return data
 
 
 def test_erasure_coding_lag_skips_a_snapshot_and_says_so(job, runtime, monkeypatch):
@@ -320,3 +330,246 @@ def test_a_foreign_exception_on_one_rank_is_voted_and_never_leaves_the_others_wa
             assert complete == 1, text  # step 2 counts nowhere: rank 1 voted it down
             assert failures == (1 if rank == 1 else 0), text
         assert "event=failed: NotImplementedError" in logs[1] or "event=failed: RuntimeError" in logs[1], logs[1]
+
+
+# ---- shared memory is private ----------------------------------------------------------------------------
+def _two_steps_then_kill_the_smp(job):
+    proc = control.start(job, 0, 64 << 20)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        snap.save(1, state(1))
+        snap.save(2, state(2))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_segments_live_in_an_owner_only_namespace_and_a_planted_one_is_refused(job, tmp_path):
+    """Slots another owner holds, ones with group/other permissions, and links are refused (event=refused),
+    left in place and never adopted; restore then fails rather than start over."""
+    _two_steps_then_kill_the_smp(job)
+    directory = os.path.dirname(path_of(_slots(job)[0]))
+    assert directory == f"/dev/shm/inmemft-{os.getuid()}" and stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    old, new = _slots(job)  # generation 0 of slots 0 and 1: steps 1 and 2
+    os.chmod(path_of(new), 0o644)
+    if os.getuid() == 0:  # only root can give a file away; elsewhere the mode and link cases carry the test
+        os.chown(path_of(old), 65534, 65534)
+    link = paths.segment_name(job, 0, 1, 0, 0)  # a "slot" of rank 1 that points at a file of ours elsewhere
+    shutil.copy(path_of(new), tmp_path / "elsewhere")
+    os.chmod(tmp_path / "elsewhere", 0o600)
+    os.symlink(tmp_path / "elsewhere", path_of(link))
+    control.start(job, 0, 64 << 20)
+    try:
+        log = _log_when(job, "event=ready")
+        refused = [line for line in log.splitlines() if "event=refused" in line]
+        assert len(refused) == (3 if os.getuid() == 0 else 2), refused
+        assert any(new in line and "mode 0o644" in line for line in refused)
+        assert any(link in line and "symbolic link" in line for line in refused)
+        socket_path = paths.default_socket(job, 0)
+        assert control.call(socket_path, "list", rank=1)["slots"] == []
+        if os.getuid() == 0:
+            assert control.call(socket_path, "list", rank=0)["slots"] == []
+        assert all(os.path.lexists(path_of(n)) for n in (old, new, link))  # refused, not deleted
+        with pytest.raises(NoUsableSnapshot, match="completed step 2"):
+            Snapshotter(SnapshotConfig(job=job)).restore()
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)
+    # A wipe frees what the SMP held; what it refused stays for the operator, whom `smp clean` serves.
+    assert names_with_prefix(paths.segment_prefix(job, 0)) == sorted([old, new, link])
+    assert "removed 3 segment(s)" in _cli("smp", "clean", "--job", job).stdout
+    assert names_with_prefix(paths.segment_prefix(job, 0)) == []
+
+
+def test_a_namespace_directory_that_is_not_private_is_refused(tmp_path, monkeypatch):
+    from inmem_ft.errors import ForeignSegment
+    from inmem_ft.smp import segments
+
+    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
+    own = tmp_path / f"inmemft-{os.getuid()}"
+    own.mkdir(mode=0o755)
+    os.chmod(own, 0o755)
+    with pytest.raises(ForeignSegment, match="mode 0700, but it is a directory .* mode 0o755"):
+        Segment("inmemft.x.n0.r0.s0.g0", 4096, create=True)
+    own.rmdir()
+    os.symlink(tmp_path, own)  # a link planted where the directory would be
+    with pytest.raises(ForeignSegment, match="it is a non-directory"):
+        segments.names_with_prefix("inmemft.")
+    own.unlink()
+    segment = Segment("inmemft.x.n0.r0.s0.g0", 4096, create=True)  # created 0700 when missing
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700 and stat.S_IMODE(os.stat(path_of(segment.name)).st_mode) == 0o600
+    segment.close()
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "inmem_ft", *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
+def test_stale_segments_are_listed_and_cleaned_with_no_smp_running(job, runtime):
+    """An SMP killed with its job leaves its segments: `smp status` lists them with no SMP running, `smp clean`
+    removes them (honouring --older-than), and never touches those a running SMP serves, nor lets a second
+    SMP serve the same node."""
+    live = f"{job}live"
+    _two_steps_then_kill_the_smp(job)
+    control.start(live, 0, 64 << 20)
+    try:
+        with Snapshotter(SnapshotConfig(job=live, interval=1)) as snap:
+            snap.save(1, state(1))
+        with pytest.raises(SMPUnavailable, match=f"already serves job {live} node 0"):
+            control.start(live, 0, 64 << 20, socket_path=str(runtime / "other.sock"))
+        out = _cli("smp", "status", "--job", job)
+        assert out.returncode == 1 and "no SMP is listening" in out.stderr
+        row = next(line.split() for line in out.stdout.splitlines() if line.startswith(job + " "))
+        assert row[1] == "0" and row[2] == "3" and row[-1] == "2"  # 2 slots and the record of the complete step
+        status = json.loads(_cli("smp", "status", "--job", live, "--json").stdout)
+        assert status["job"] == live and any(s["job"] == job for s in status["stale"])
+        assert not any(s["job"] == live for s in status["stale"])  # its SMP runs
+        assert _cli("smp", "clean").returncode == 1  # says what to remove first
+        kept = _cli("smp", "clean", "--job", job, "--older-than", "1h")
+        assert kept.returncode == 0 and "no segments to remove" in kept.stdout
+        assert len(names_with_prefix(paths.segment_prefix(job, 0))) == 4  # and the lock the killed SMP held
+        cleaned = _cli("smp", "clean", "--job", job)
+        assert cleaned.returncode == 0 and f"removed 3 segment(s) of job {job} node 0" in cleaned.stdout
+        assert names_with_prefix(paths.segment_prefix(job, 0)) == []
+        served = _cli("smp", "clean", "--job", live)
+        assert f"kept job {live} node 0: its SMP (pid" in served.stdout
+        assert control.call(paths.default_socket(live, 0), "status")["job"] == live
+        with pytest.raises(SMPUnavailable, match="still serves"):
+            inventory.remove(live, 0)
+    finally:
+        control.stop(paths.default_socket(live, 0), wipe=True)
+    assert names_with_prefix(paths.segment_prefix(live, 0)) == []
+
+
+# ---- peer payloads are authenticated ----------------------------------------------------------------------
+SECRET = "hardening-secret-" + "p" * 20
+FLIP_AT = 200_000  # a byte of the server's stream far past the handshake and the reply header: in the payload
+
+
+class TamperingProxy:
+    """A real TCP relay to `target`; a connection opened while it is armed has one byte of what the server sends
+    flipped on the way (FLIP_AT)."""
+
+    def __init__(self, target):
+        self.target, self.armed = target, False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.armed), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, flip):
+        seen = 0
+        try:
+            while data := src.recv(1 << 16):
+                if flip and seen <= FLIP_AT < seen + len(data):
+                    data = bytearray(data)
+                    data[FLIP_AT - seen] ^= 0x01
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                sock.close()
+
+    def close(self):
+        self.listener.close()
+
+
+def _smp_with_peers(job, node, peers):
+    """An SMP linked to its peers by the list `peers` (nodes may be given different lists, as by a typo)."""
+    return control.start(job, node, 64 << 20, extra_args=["--peers", peers],
+                         env={**os.environ, "INMEM_FT_SECRET": SECRET})
+
+
+def _stop(job, nodes):
+    for node in nodes:
+        if control.ping(paths.default_socket(job, node)):
+            control.stop(paths.default_socket(job, node), wipe=True)
+
+
+def test_a_payload_flipped_on_the_wire_is_refused_and_a_clean_one_passes(job):
+    """Node 0 reads node 1's slot through a real relay that flips one payload byte: node 0 refuses it
+    (event=refused, the read fails saying why) and reads the exact bytes once the relay is honest."""
+    ports = [free_port(), free_port()]
+    _smp_with_peers(job, 1, f"0=127.0.0.1:{ports[0]},1=127.0.0.1:{ports[1]}")
+    proxy = TamperingProxy(("127.0.0.1", ports[1]))
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{ports[0]},1={proxy.address}")
+    client = SMPClient(paths.default_socket(job, 0))
+    try:
+        data = _write_rank(paths.default_socket(job, 1), 1, 1, None, size=1 << 20)
+        [entry] = control.call(paths.default_socket(job, 1), "list", rank=1)["slots"]
+        with open(path_of(entry["segment"]), "rb") as f:
+            header = seg.Header.read(f.read(seg.HEADER_SIZE))
+        proxy.armed = True
+        with pytest.raises(InmemFTError, match=r"payload of \d+ bytes fails its MAC: tampered with in transit"):
+            client.read(1, 1, 1, header.data_off, len(data))
+        log = open(paths.default_log(job, 0)).read()
+        assert "transport node=0 event=refused peer=1" in log and "fails its MAC" in log
+        proxy.armed = False
+        got, source = client.read(1, 1, 1, header.data_off, len(data))
+        assert source == "memory" and got.tobytes() == data
+    finally:
+        client.close()
+        proxy.close()
+        _stop(job, (0, 1))
+
+
+def test_a_wrong_peers_entry_is_caught_naming_both_nodes(job):
+    """Node 0's --peers gives node 2's address to node 1: node 0 says so instead of talking to the wrong node,
+    and node 2 refuses it too."""
+    ports = [free_port() for _ in range(3)]
+    right = ",".join(f"{n}=127.0.0.1:{p}" for n, p in enumerate(ports))
+    _smp_with_peers(job, 2, right)
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{ports[0]},1=127.0.0.1:{ports[2]}")
+    client = SMPClient(paths.default_socket(job, 0))
+    try:
+        [unreachable] = client.catalog()["unreachable"]
+        assert unreachable["node"] == 1
+        assert f"the SMP at 127.0.0.1:{ports[2]} is node 2 of job {job}, but node 0's --peers gives that address " \
+               f"to node 1" in unreachable["error"]
+        log = _log_when(job, "event=refused", node=2)  # node 2 logs once its proof is out: maybe after node 0 read it
+        assert "node 0 reached this SMP as node 1, but it is node 2" in log
+    finally:
+        client.close()
+        _stop(job, (0, 2))
+
+
+def test_an_unauthenticated_peer_is_dropped_within_seconds(job):
+    """A connection that says nothing, and one that trickles a byte at a time, are both dropped once the
+    handshake time is up (transport.HANDSHAKE_S), and said."""
+    port = free_port()
+    _smp_with_peers(job, 0, f"0=127.0.0.1:{port}")
+    try:
+        idle, trickle = (socket.create_connection(("127.0.0.1", port)) for _ in range(2))
+        hello = iter(struct.pack(">I", 1000) + b" " * 1000)  # a frame that would be valid, one byte a round
+        deadline = time.monotonic() + 60  # far above HANDSHAKE_S: a bound, not a timing
+        open_ = {idle, trickle}
+        while open_ and time.monotonic() < deadline:
+            for sock in list(open_):
+                try:
+                    if sock is trickle:
+                        sock.sendall(bytes([next(hello)]))
+                    sock.settimeout(0.2)
+                    while sock.recv(4096):  # the server's hello; b"" once it hangs up
+                        pass
+                    open_.discard(sock)
+                except socket.timeout:
+                    pass
+                except OSError:
+                    open_.discard(sock)
+        assert not open_, "an unauthenticated connection was still open after 60 s"
+        said = f"reason=no valid handshake within {transport.HANDSHAKE_S:.0f} s: dropped"
+        while open(paths.default_log(job, 0)).read().count(said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the log line may trail the hang-up
+        assert open(paths.default_log(job, 0)).read().count(said) == 2
+    finally:
+        _stop(job, (0,))

@@ -135,11 +135,11 @@ def test_clean_two_node_run_exits_0_and_stops_both_smps(clean_run):
         assert rc == 0, out
         assert f"[inmem_ft] launch node={node} event=smp_started" in out
         assert f"[inmem_ft] launch node={node} event=torchrun_exit rc=0" in out
-        assert f"[inmem_ft] launch node={node} event=smp_stopped wiped=0" in out
+        assert f"[inmem_ft] launch node={node} event=smp_stopped wiped=1 reason=finished" in out
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert alive == [False, False]
-    # The snapshots stay in memory for a re-queued job (INMEM_FT_WIPE_ON_EXIT unset): one rank per node.
-    assert {paths.parse_segment_name(s)[0] for s in kept if paths.parse_segment_name(s)} == {0, 1}
+    # A job that finished has nothing to resume: its snapshots are released (INMEM_FT_WIPE_ON_EXIT unset).
+    assert kept == []
 
 
 def test_rank_killed_torchrun_restarts_all_and_resumes_bit_identical(nodes, clean_run, runtime):
@@ -186,6 +186,21 @@ def test_signalled_with_wipe_on_exit_spills_first_then_wipes(runtime, job):
     assert names_with_prefix(f"inmemft.{job}.") == []
     spilled = os.listdir(spill / job / "node0")
     assert spilled and all(re.fullmatch(r"r0\.step\d+\.slot", name) for name in spilled), spilled
+
+
+def test_a_failed_job_keeps_its_snapshots_for_a_requeue(nodes, runtime):
+    """torchrun gives up (no restarts left): the snapshots stay for the re-queued job, and `smp status`, with no
+    SMP running, lists them as left by a stopped SMP."""
+    [(rc, out)] = nodes.run(EXAMPLE + ["--die-at", str(DIE_AT), "--die-rank", "0"], nnodes=1,
+                            INMEM_FT_MAX_RESTARTS=0)
+    assert rc != 0 and "event=smp_stopped wiped=0" in out, out
+    assert [paths.parse_segment_name(s)[0] for s in names_with_prefix(f"inmemft.{nodes.job}.")
+            if paths.parse_segment_name(s)] == [0, 0]
+    status = subprocess.run([sys.executable, "-m", "inmem_ft", "smp", "status", "--job", nodes.job],
+                            env=script_env(nodes.runtime_dir, nodes.job), capture_output=True, text=True, timeout=60)
+    assert status.returncode == 1 and "no SMP is listening" in status.stderr
+    row = next(line.split() for line in status.stdout.splitlines() if line.startswith(nodes.job))
+    assert row[1:3] == ["0", "3"] and row[-1] == str(DIE_AT // INTERVAL * INTERVAL)  # two slots, the record
 
 
 TRAINER = r"""

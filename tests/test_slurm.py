@@ -117,7 +117,7 @@ def test_clean_run_ends_with_the_uninterrupted_losses(slurm, submit, tmp_path_fa
     for node in (0, 1):
         assert f"[inmem_ft] launch node={node} event=smp_started" in out
         assert f"[inmem_ft] launch node={node} event=torchrun_exit rc=0" in out
-        assert f"[inmem_ft] launch node={node} event=smp_stopped wiped=0" in out
+        assert f"[inmem_ft] launch node={node} event=smp_stopped wiped=1 reason=finished" in out
     assert "source=none: starting from scratch" in out
     assert read_losses(j.loss_log) == ref
     assert steps_run(j.loss_log) == list(range(1, STEPS + 1))

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from ..errors import SnapshotCorrupt
+from ..errors import ForeignSegment, SnapshotCorrupt
 from ..smp.segments import Segment, names_with_prefix, unlink
 from ..snapshot.checksum import checksum, to_hex
 
@@ -84,9 +84,10 @@ class ParitySet:
         self.segment.unlink()
 
 
-def adopt(prefix: str) -> tuple[list[ParitySet], list[str]]:
-    """Parity sets found in /dev/shm that are at least built; (sets, reasons for each one discarded)."""
-    found, discarded = [], []
+def adopt(prefix: str) -> tuple[list[ParitySet], list[str], list[str]]:
+    """Parity sets found in shared memory that are at least built; (sets, reasons for each one discarded,
+    reasons for each one refused: not written by an SMP of this user, so neither used nor deleted)."""
+    found, discarded, refused = [], [], []
     for name in names_with_prefix(prefix):
         if not _NAME.search(name):
             continue
@@ -102,9 +103,11 @@ def adopt(prefix: str) -> tuple[list[ParitySet], list[str]]:
             if record["state"] == BUILDING:
                 raise SnapshotCorrupt("it was still being built")
             found.append(ParitySet(segment, record))
+        except ForeignSegment as e:
+            refused.append(f"{name}: {e}")
         except (SnapshotCorrupt, ValueError, KeyError, OSError, struct.error) as e:
             if segment is not None:
                 segment.close()
             unlink(name)
             discarded.append(f"{name}: {e}")
-    return found, discarded
+    return found, discarded, refused

@@ -67,9 +67,11 @@ class Protector:
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def adopt(self) -> None:
-        sets, discarded = paritystore.adopt(self.smp.prefix)
+        sets, discarded, refused = paritystore.adopt(self.smp.prefix)
         for why in discarded:
             log.warning("ec node=%d event=discard parity=%s", self.node, why)
+        for why in refused:
+            log.warning("ec node=%d event=refused parity=%s", self.node, why)
         for ps in sets:
             self.sets[ps.step] = ps
             log.info("ec node=%d event=adopt parity step=%d state=%s", self.node, ps.step, ps.state)

@@ -1,13 +1,18 @@
 """SMP-to-SMP messages over TCP, authenticated with the job's shared secret.
 
-Handshake (mutual HMAC-SHA256 challenge-response): the server sends a random nonce Ns; the client
-answers with its node id, its own nonce Nc and HMAC(secret, "client"|job|node|Ns|Nc); the server checks
-it (else logs event=refused and hangs up) and proves itself with HMAC(secret, "server"|job|Ns|Nc). Both
-derive a session key HMAC(secret, "session"|Ns|Nc), so a recorded session cannot be replayed.
+Handshake (mutual HMAC-SHA256 challenge-response, bound to both node ids): the server sends a random nonce
+Ns and its node id S; the client answers with its node id C, the node T it means to reach (its --peers
+entry), its own nonce Nc and HMAC(secret, "client"|job|C|T|Ns|Nc); the server checks it (else logs
+event=refused and hangs up) and proves itself with HMAC(secret, "server"|job|S|C|Ns|Nc). The client checks
+that proof and that S is T: an address that --peers gives to the wrong node is an error naming both ids,
+not a silent conversation with the wrong SMP. Both derive a session key HMAC(secret, "session"|Ns|Nc), so a
+recorded session cannot be replayed. A peer that has not finished the handshake within HANDSHAKE_S is
+dropped.
 
-Every message is then: 4-byte length, a JSON header, HMAC(session key, direction|sequence|header), and
-`n` raw payload bytes whose xxh3 is in the header. The MAC binds the payload to the authenticated header
-without running SHA over gigabytes; xxh3 runs at memory speed. Nothing is ever unpickled.
+Every message is then: 4-byte length, a JSON header, HMAC(session key, direction|sequence|header), and,
+when the header's `n` is not 0, `n` raw payload bytes followed by their MAC (AES-GMAC, cluster/mac.py) under
+a key derived from the session key, with direction and sequence as its nonce. A flipped byte anywhere is
+refused (event=refused) and the connection dropped. Nothing is ever unpickled.
 """
 from __future__ import annotations
 
@@ -23,17 +28,18 @@ import threading
 import time
 
 import numpy as np
-import xxhash
 
 from ..errors import InmemFTError
 from ..smp import protocol
+from . import mac
 
 log = logging.getLogger("inmem_ft.transport")
 _LEN_SIZE = 4  # protocol.frame's length prefix; the MAC covers the JSON after it
 _MAC = 32
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 32
-_SEND_PIECE = 1 << 20  # bytes per token-bucket grant: fine enough that the cap is smooth
+PIECE = 1 << 20  # bytes per token-bucket grant and per MAC update: the cap is smooth, the piece still in cache
+HANDSHAKE_S = 5.0  # a connection that has not authenticated by then is dropped
 
 
 class PeerUnavailable(InmemFTError):
@@ -50,6 +56,10 @@ class PeerRefused(PeerUnavailable):
 
 class AuthError(InmemFTError):
     """A peer failed the handshake or a message failed its MAC or checksum."""
+
+
+class PeerMismatch(AuthError):
+    """A peer knows the job secret but is another node than the one --peers gives its address to."""
 
 
 class SecretError(InmemFTError, ValueError):
@@ -118,28 +128,31 @@ class Channel:
 
     def __init__(self, sock, key: bytes, is_client: bool, bucket: TokenBucket):
         self.sock, self.key, self.bucket = sock, key, bucket
+        self._payload_key = _mac(key, "payload")
         self._out, self._in = ("c2s", "s2c") if is_client else ("s2c", "c2s")
         self._sent = self._received = 0
 
     def send(self, header: dict, pieces=()) -> None:
         views = [memoryview(p).cast("B") for p in pieces]
-        digest = xxhash.xxh3_64()
-        for v in views:
-            digest.update(v)
-        header = {**header, "n": sum(len(v) for v in views), "x": digest.hexdigest()}
-        framed = protocol.frame(header)
-        self.sock.sendall(framed + _mac(self.key, self._out, self._sent, framed[_LEN_SIZE:]))
+        n, seq = sum(len(v) for v in views), self._sent
+        framed = protocol.frame({**header, "n": n})
+        self.sock.sendall(framed + _mac(self.key, self._out, seq, framed[_LEN_SIZE:]))
         self._sent += 1
+        if not n:
+            return
+        tag = mac.PayloadMAC(self._payload_key, self._out, seq)
         for v in views:
-            for off in range(0, len(v), _SEND_PIECE):
-                piece = v[off: off + _SEND_PIECE]
+            for off in range(0, len(v), PIECE):
+                piece = v[off: off + PIECE]
                 self.bucket.take(len(piece))
+                tag.update(piece)
                 self.sock.sendall(piece)
+        self.sock.sendall(tag.digest())
 
     def recv(self, into: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
         header, raw = protocol.recv_raw(self.sock, MAX_HEADER)
-        mac = protocol.recv_exact(self.sock, _MAC)
-        if not hmac.compare_digest(mac, _mac(self.key, self._in, self._received, raw)):
+        seq = self._received
+        if not hmac.compare_digest(protocol.recv_exact(self.sock, _MAC), _mac(self.key, self._in, seq, raw)):
             raise AuthError("message header fails its HMAC: tampered, replayed or from another session")
         self._received += 1
         n = int(header["n"])
@@ -150,37 +163,65 @@ class Channel:
         if into is not None and into.nbytes != n:
             raise AuthError(f"payload has {n} bytes, the receiver expected {into.nbytes}")
         payload = np.empty(n, dtype=np.uint8) if into is None else into
-        protocol.recv_into(self.sock, memoryview(payload).cast("B"))
-        if xxhash.xxh3_64_hexdigest(payload) != header["x"]:
-            raise AuthError(f"payload of {n} bytes fails its xxh3 checksum: corrupted in transit")
+        if not n:
+            return header, payload
+        tag = mac.PayloadMAC(self._payload_key, self._in, seq)
+        view = memoryview(payload).cast("B")
+        for off in range(0, n, PIECE):
+            piece = view[off: off + PIECE]
+            protocol.recv_into(self.sock, piece)
+            tag.update(piece)
+        if not hmac.compare_digest(protocol.recv_exact(self.sock, mac.TAG_SIZE), tag.digest()):
+            raise AuthError(f"payload of {n} bytes fails its MAC: tampered with in transit, or sent without this "
+                            f"session's key")
         return header, payload
 
 
-def client_handshake(sock, secret: bytes, job: str, node: int, bucket: TokenBucket) -> Channel:
+def client_handshake(sock, secret: bytes, job: str, node: int, peer: int, where: str,
+                     bucket: TokenBucket) -> Channel:
+    """As node `node`, authenticate to the SMP that --peers says is node `peer` (at `where`)."""
     hello = protocol.recv_raw(sock, MAX_HEADER)[0]
     ns, nc = bytes.fromhex(hello["nonce"]), secrets.token_bytes(32)
-    sock.sendall(protocol.frame({"job": job, "node": node, "nonce": nc.hex(),
-                                 "mac": _mac(secret, "client", job, node, ns, nc).hex()}))
+    sock.sendall(protocol.frame({"job": job, "node": node, "to": peer, "nonce": nc.hex(),
+                                 "mac": _mac(secret, "client", job, node, peer, ns, nc).hex()}))
     try:
         reply = protocol.recv_raw(sock, MAX_HEADER)[0]
     except (PeerUnavailable, OSError):
         raise AuthError("the peer hung up during the handshake: it refused our credentials (is INMEM_FT_SECRET the "
                         "same on every node, and is this the same job?)") from None
-    if not hmac.compare_digest(bytes.fromhex(reply.get("mac", "")), _mac(secret, "server", job, ns, nc)):
+    server = reply.get("node")
+    if type(server) is not int or not hmac.compare_digest(bytes.fromhex(reply.get("mac", "")),
+                                                          _mac(secret, "server", job, server, node, ns, nc)):
         raise AuthError("the peer failed to prove it knows the job secret: refusing it")
+    if server != peer:
+        raise PeerMismatch(f"the SMP at {where} is node {server} of job {job}, but node {node}'s --peers gives that "
+                           f"address to node {peer}: start every SMP with the same --peers, listing each node's "
+                           f"own address (NODE=HOST:PORT)")
     return Channel(sock, _mac(secret, "session", ns, nc), True, bucket)
 
 
-def server_handshake(sock, secret: bytes, job: str, bucket: TokenBucket) -> tuple[Channel, int]:
+def server_handshake(sock, secret: bytes, job: str, node: int, bucket: TokenBucket) -> tuple[Channel, int]:
     ns = secrets.token_bytes(32)
-    sock.sendall(protocol.frame({"nonce": ns.hex()}))
+    sock.sendall(protocol.frame({"nonce": ns.hex(), "node": node}))
     hello = protocol.recv_raw(sock, MAX_HEADER)[0]
-    nc, node = bytes.fromhex(hello["nonce"]), int(hello["node"])
+    nc, client, to = bytes.fromhex(hello["nonce"]), int(hello["node"]), int(hello["to"])
     if hello.get("job") != job or not hmac.compare_digest(bytes.fromhex(hello.get("mac", "")),
-                                                          _mac(secret, "client", job, node, ns, nc)):
-        raise AuthError(f"client claiming node {node} of job {hello.get('job')!r} failed authentication")
-    sock.sendall(protocol.frame({"mac": _mac(secret, "server", job, ns, nc).hex()}))
-    return Channel(sock, _mac(secret, "session", ns, nc), False, bucket), node
+                                                          _mac(secret, "client", job, client, to, ns, nc)):
+        raise AuthError(f"client claiming node {client} of job {hello.get('job')!r} failed authentication")
+    # The proof goes out either way: a client that reached the wrong node can then say so with certainty.
+    sock.sendall(protocol.frame({"node": node, "mac": _mac(secret, "server", job, node, client, ns, nc).hex()}))
+    if to != node:
+        raise PeerMismatch(f"node {client} reached this SMP as node {to}, but it is node {node}: node {client}'s "
+                           f"--peers gives this address to the wrong node")
+    return Channel(sock, _mac(secret, "session", ns, nc), False, bucket), client
+
+
+def _drop(sock, late: threading.Event) -> None:
+    late.set()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # the handshake's read returns at once
+    except OSError:
+        pass  # closed meanwhile
 
 
 class PeerServer:
@@ -190,15 +231,21 @@ class PeerServer:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.request.settimeout(3600)  # a peer that vanished without a FIN
                 peer = "%s:%d" % self.request.getpeername()[:2]
+                # A bound on the whole handshake, not on each read: a peer trickling bytes is dropped too.
+                late = threading.Event()
+                timer = threading.Timer(HANDSHAKE_S, _drop, [self.request, late])
+                timer.daemon = True
+                timer.start()
                 try:
-                    channel, from_node = server_handshake(self.request, secret, job, bucket)
-                except (AuthError, KeyError, ValueError, TypeError) as e:
-                    log.warning("transport node=%d event=refused peer=%s reason=%s", node, peer, e)
+                    channel, from_node = server_handshake(self.request, secret, job, node, bucket)
+                except (AuthError, KeyError, ValueError, TypeError, OSError) as e:
+                    why = f"no valid handshake within {HANDSHAKE_S:.0f} s" if late.is_set() else e
+                    log.warning("transport node=%d event=refused peer=%s reason=%s: dropped", node, peer, why)
                     return
-                except (PeerUnavailable, OSError):
-                    return
+                finally:
+                    timer.cancel()
+                self.request.settimeout(3600)  # a peer that vanished without a FIN
                 try:
                     while True:
                         header, payload = channel.recv()
@@ -249,21 +296,24 @@ class PeerClient:
                         sock = socket.create_connection(self.addr, timeout=self.timeout_s)
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                         try:
-                            self._channel = client_handshake(sock, self.secret, self.job, self.node, self.bucket)
+                            self._channel = client_handshake(sock, self.secret, self.job, self.node, self.peer,
+                                                             "%s:%d" % self.addr, self.bucket)
                         except BaseException:
                             sock.close()
                             raise
                     self._channel.send(header, pieces)
                     reply, payload = self._channel.recv(into)
                     break
-                except (OSError, PeerUnavailable, ValueError, KeyError) as e:
+                except (OSError, PeerUnavailable, ValueError, KeyError, TypeError) as e:
                     self._close_locked()
                     if attempt < retries:
                         continue
                     raise PeerUnavailable(f"peer node {self.peer} at {self.addr[0]}:{self.addr[1]} is unreachable "
                                           f"or stopped answering ({e})") from None
-                except AuthError:
+                except AuthError as e:
                     self._close_locked()
+                    log.warning("transport node=%d event=refused peer=%d addr=%s:%d reason=%s", self.node,
+                                self.peer, *self.addr, e)
                     raise
         if not reply.pop("ok", False):
             raise PeerRefused(f"peer node {self.peer} refused {header.get('op')!r}: {reply.get('error')}",

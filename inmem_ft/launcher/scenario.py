@@ -12,7 +12,7 @@ from typing import Callable
 
 from .. import telemetry
 from ..errors import InmemFTError
-from ..smp import control
+from ..smp import inventory
 from .simulated import SimulatedCluster
 from .supervisor import Failure, Supervisor, Timeline
 
@@ -33,7 +33,7 @@ def wipe_job(job: str, nodes: int) -> None:
     """Drop segments an earlier, interrupted run of the same job id left in /dev/shm: a launch starts a
     fresh job, and its SMPs would otherwise adopt them and restore steps this run never took."""
     for node in range(nodes):
-        control.wipe_segments(job, node)
+        inventory.remove(job, node)
 
 
 def reference_losses(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str],

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..cluster.options import ECOptions
-from ..smp import control, paths
+from ..smp import control, inventory, paths
 
 
 def free_port() -> int:
@@ -86,7 +86,7 @@ class SimulatedCluster:
             proc.wait()
 
     def wipe_node(self, node: int) -> None:
-        control.wipe_segments(self.job, node)
+        inventory.remove(self.job, node)
 
     def lose_node(self, node: int) -> None:
         for rank, proc in self.procs.items():

@@ -11,6 +11,7 @@ from ..errors import InmemFTError
 from ..telemetry import log_to_stderr
 from . import paths, spill
 from .daemon import SMP, check_budget_fits
+from .nodelock import NodeLock
 
 
 def main(argv=None) -> int:
@@ -28,10 +29,12 @@ def main(argv=None) -> int:
     add_ec_arguments(p)
     args = p.parse_args(argv)
     log_to_stderr()
+    smp = None
     try:
         ec = options_from_args(args)
         check_budget_fits(args.memory_budget)
         smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
+        smp.node_lock = NodeLock.acquire(args.job, args.node)
         smp.adopt_existing()
         if args.spill_dir:
             smp.spill_dir = spill.node_dir(args.spill_dir, args.job, args.node)
@@ -44,6 +47,8 @@ def main(argv=None) -> int:
     except (InmemFTError, OSError, ValueError) as e:
         # One line in the log, which `inmem-ft smp start` shows: setup errors are the user's to fix.
         logging.getLogger("inmem_ft.smp").error("smp node=%d event=failed reason=%s", args.node, e)
+        if smp is not None and smp.node_lock is not None:
+            smp.node_lock.release()
         return 1
     smp.serve()
     return 0

@@ -9,7 +9,6 @@ import time
 from ..errors import SMPUnavailable
 from . import paths
 from .client import SMPClient
-from .segments import names_with_prefix, path_of, unlink
 
 
 def ping(socket_path: str) -> dict | None:
@@ -70,17 +69,3 @@ def stop(socket_path: str, wipe: bool = False, wait_s: float = 10.0) -> None:
     deadline = time.monotonic() + wait_s
     while os.path.exists(socket_path) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def wipe_segments(job: str, node: int) -> tuple[int, int]:
-    """Unlink every segment of `job` on `node` (slots and parity) with no SMP involved: for a node that is
-    lost, or whose SMP is gone. Returns (segments, bytes) freed."""
-    names = names_with_prefix(paths.segment_prefix(job, node))
-    size = 0
-    for name in names:
-        try:
-            size += os.path.getsize(path_of(name))
-        except FileNotFoundError:
-            continue
-        unlink(name)
-    return len(names), size

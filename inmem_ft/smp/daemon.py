@@ -17,12 +17,12 @@ import struct
 import threading
 import time
 
-from ..errors import ConfigError, InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
+from ..errors import ConfigError, ForeignSegment, InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
 from . import fields, paths, protocol, spill
-from .segments import Segment, free_bytes, names_with_prefix, path_of, unlink
+from .segments import Segment, free_bytes, names_with_prefix, path_of, read_record, unlink, write_record
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
@@ -80,6 +80,7 @@ class SMP:
         self.stopping = False
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
         self.spill_dir: str | None = None  # where SIGTERM writes the newest complete step (smp/spill.py)
+        self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -119,22 +120,18 @@ class SMP:
         restart must not make it forget (a crash during the very first snapshot, which never completed, is
         the case where starting over is right)."""
         self.complete_step = step
-        path = path_of(paths.complete_record_name(self.job, self.node))
         if step is None:
             unlink(paths.complete_record_name(self.job, self.node))
-            return
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(str(step))
-        os.replace(tmp, path)
+        else:
+            write_record(paths.complete_record_name(self.job, self.node), str(step))
 
     def _read_complete(self) -> None:
         try:
-            with open(path_of(paths.complete_record_name(self.job, self.node))) as f:
-                self.complete_step = int(f.read())
-        except (FileNotFoundError, ValueError):
+            self.complete_step = read_complete(self.job, self.node)
+        except ForeignSegment as e:
             self.complete_step = None
+            log.warning("smp node=%d event=refused segment=%s reason=%s", self.node,
+                        paths.complete_record_name(self.job, self.node), e)
 
     def adopt_existing(self) -> None:
         self._read_complete()
@@ -156,6 +153,10 @@ class SMP:
                     unlink(name)
                     continue
                 header, _ = seg.verify(segment.buf, name)
+            except ForeignSegment as e:
+                # Not written by an SMP of this user: never adopted, and not ours to delete either.
+                log.warning("smp node=%d event=refused segment=%s reason=%s", self.node, name, e)
+                continue
             except UnknownFormat as e:
                 # Another release's snapshot: never ours to load, and never ours to delete.
                 log.warning("smp node=%d event=unknown_format segment=%s kept=yes reason=%s", self.node, name, e)
@@ -546,9 +547,21 @@ class SMP:
             self.server.server_close()
             if self.peers is not None:
                 self.peers.close()
+            if self.node_lock is not None:
+                self.node_lock.release()  # before the socket goes: `smp stop` returns once it is gone
             if os.path.exists(self.socket_path):
                 os.unlink(self.socket_path)
             log.info("smp node=%d event=stopped", self.node)
+
+
+def read_complete(job: str, node: int) -> int | None:
+    """The newest step the job completed, as the node's SMP recorded it beside the slots (None: none, or
+    unreadable)."""
+    text = read_record(paths.complete_record_name(job, node))
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def check_budget_fits(budget_bytes: int) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 _JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -26,10 +27,11 @@ def job_dir(job: str) -> str:
 
 
 def make_private_dir(path: str) -> str:
-    """Create the directory owner-only; refuse one another user owns or can write."""
+    """Create the directory owner-only; refuse one another user owns or can write, or a link to one (in a
+    sticky /tmp anyone may plant a link where ours would be)."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700 "
                               f"(it is uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}); fix or remove it")
     return path
@@ -48,8 +50,22 @@ def segment_prefix(job: str, node: int) -> str:
 
 
 def complete_record_name(job: str, node: int) -> str:
-    """The file in /dev/shm beside the slots that remembers the newest step the job completed."""
+    """The file beside the slots that remembers the newest step the job completed."""
     return f"{segment_prefix(job, node)}complete"
+
+
+def lock_name(job: str, node: int) -> str:
+    """The file beside the slots that the node's running SMP holds locked (smp/nodelock.py)."""
+    return f"{segment_prefix(job, node)}lock"
+
+
+_OWNER = re.compile(r"^inmemft\.([A-Za-z0-9_-]{1,64})\.n(\d+)\.")
+
+
+def owner_of(name: str) -> tuple[str, int] | None:
+    """(job, node) of any file an SMP keeps in shared memory (slots, parity, records), from its name."""
+    m = _OWNER.match(name)
+    return (m[1], int(m[2])) if m else None
 
 
 def segment_name(job: str, node: int, rank: int, slot: int, generation: int) -> str:

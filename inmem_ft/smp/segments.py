@@ -1,9 +1,19 @@
-"""Named POSIX shared-memory segments in /dev/shm that outlive the processes using them.
+"""Named shared-memory segments that outlive the processes using them, in this user's private namespace.
 
 Written on os/mmap rather than multiprocessing.shared_memory because, on Python 3.11, SharedMemory
 registers every attach with the resource tracker, which unlinks the segment when a trainer dies (the
 opposite of what a crash-surviving snapshot needs), and it cannot preallocate: a tmpfs that runs out
 delivers SIGBUS to the writer mid-copy, where posix_fallocate gives a clean ENOSPC at reservation.
+
+Where they live: /dev/shm is world-writable (sticky), so a flat name there can be listed by anyone (job
+names, sizes), taken first by another user, or planted for an SMP to adopt. Segments therefore live in a
+per-user directory, /dev/shm/inmemft-<uid>, mode 0700: nobody else can list, open or create names in it,
+and the sticky bit of /dev/shm keeps anyone else from renaming or replacing the directory once it is ours.
+That one check (the directory is a real directory, ours, 0700) makes the whole namespace private, where flat
+names would need an owner and mode check on every name we list, plus a retry for every squatted name. Every
+open still uses O_NOFOLLOW and checks the file itself (a regular file, ours, no group or other bits): root,
+or one of our own processes with a careless umask, can still put something there, and it is refused, never
+adopted. POSIX shm_open names cannot hold '/', which is why segments are opened by path, not by shm_open.
 """
 from __future__ import annotations
 
@@ -11,21 +21,79 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 
 from .. import pages
+from ..errors import ForeignSegment
 
 SHM_DIR = "/dev/shm"
 
 
+def namespace() -> str:
+    """This user's segment directory (not checked: see private_namespace)."""
+    return os.path.join(SHM_DIR, f"inmemft-{os.getuid()}")
+
+
+def private_namespace(create: bool = False) -> str | None:
+    """The segment directory, checked: a real directory (not a link), ours, mode 0700. None when it does not
+    exist and `create` is off."""
+    path = namespace()
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != 0o700:
+        kind = "directory" if stat.S_ISDIR(st.st_mode) else "non-directory"
+        raise ForeignSegment(
+            f"{path} must be a directory owned by uid {os.getuid()} with mode 0700, but it is a {kind} of uid "
+            f"{st.st_uid} with mode {oct(stat.S_IMODE(st.st_mode))}: another user may have planted it to see or "
+            f"feed this user's snapshots; remove it (as root if needed) and start the SMP again")
+    return path
+
+
 def path_of(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+    return os.path.join(namespace(), name)
+
+
+def check_owned(fd: int, name: str) -> os.stat_result:
+    """Refuse a file this user's SMP did not create: another owner, group/other permission bits, not a file."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ForeignSegment(
+            f"segment {name} is owned by uid {st.st_uid} with mode {oct(stat.S_IMODE(st.st_mode))}, where this "
+            f"user's SMP creates files of uid {os.getuid()} with mode 0600: it was planted, not written by an SMP "
+            f"of this user; it is refused and left in place (remove it with `inmem-ft smp clean` once you know "
+            f"where it came from)")
+    return st
+
+
+def open_owned(name: str, flags: int, mode: int = 0o600) -> int:
+    """os.open of a file in the private namespace, never through a link, refused unless it is ours (check_owned)."""
+    fd = os.open(os.path.join(private_namespace(create=bool(flags & os.O_CREAT)) or namespace(), name),
+                 flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        check_owned(fd, name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class Segment:
     def __init__(self, name: str, size: int | None = None, *, create: bool = False):
         self.name = name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path_of(name), flags, 0o600)
+        try:
+            fd = open_owned(name, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0))
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link: a plant, refused like a foreign file
+                raise ForeignSegment(f"segment {name} is a symbolic link, not a segment an SMP of this user "
+                                     f"created: refused and left in place") from None
+            raise
         try:
             if create:
                 try:
@@ -72,11 +140,30 @@ def unlink(name: str) -> None:
         pass
 
 
-def names_with_prefix(prefix: str) -> list[str]:
+def read_record(name: str) -> str | None:
+    """A small text file of the namespace (one an SMP wrote with write_record); None if there is none."""
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+        fd = open_owned(name, os.O_RDONLY)
     except FileNotFoundError:
+        return None
+    with os.fdopen(fd) as f:
+        return f.read()
+
+
+def write_record(name: str, text: str) -> None:
+    """Replace a small text file of the namespace in one step: a reader sees the old text or the new."""
+    tmp = f"{name}.tmp"
+    unlink(tmp)
+    with os.fdopen(open_owned(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as f:
+        f.write(text)
+    os.replace(path_of(tmp), path_of(name))
+
+
+def names_with_prefix(prefix: str) -> list[str]:
+    directory = private_namespace()
+    if directory is None:
         return []
+    return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
 
 
 def free_bytes() -> int:
