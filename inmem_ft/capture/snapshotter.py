@@ -280,12 +280,22 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self):
+    def restore(self, layout: Topology | None = None):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
-        (unless config.start_fresh)."""
+        (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
+        another layout than `layout` (default: another world size)."""
         self.wait()
-        return Restorer(self).restore()
+        return Restorer(self, layout).restore()
+
+    def resumed(self, info: RestoreInfo) -> None:
+        """The job resumes from `info.step` (restored here, or rebuilt from another layout's snapshots by an
+        adapter): the SMP drops this rank's newer slots and keeps that step until a newer one is complete."""
+        self._smp.call("restored", rank=self.rank, step=info.step)
+        self._complete = info.step
+        self.last_restore = info
+        if self._heartbeat:
+            self._heartbeat.beat(step=info.step, restored=vars(info))
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ...errors import InmemFTError
 from ...persist.atomic import atomic_write
 from ...persist.statefile import read_state, write_state
 
@@ -37,3 +38,15 @@ def write_files(directory: str, step: int, state: dict, *, rank: int, writes) ->
 
 def read_rank_state(directory: str, tag: str, rank: int):
     return read_state(rank_state_path(directory, tag, rank))
+
+
+def model_and_optimizer(files: dict, what: str) -> tuple[dict, dict, dict]:
+    """(model states, optimizer states, the torch optimizer's state dict inside them) of one ZeRO-1/2/3 rank's
+    files ({name: state dict}, as save_checkpoint hands them over); `what` names them for errors."""
+    model = next((sd for name, sd in files.items() if name.endswith("model_states.pt")), None)
+    optim = next((sd for name, sd in files.items() if name.endswith("optim_states.pt")), None)
+    if model is None or optim is None:
+        raise InmemFTError(f"{what} lacks DeepSpeed's model or optimizer states (files: {sorted(files)}): not a "
+                           f"ZeRO-1/2/3 snapshot")
+    osd = optim["optimizer_state_dict"]
+    return model, osd, osd.get("base_optimizer_state") or osd["optimizer_state_dict"]  # ZeRO-1/2, ZeRO-3
