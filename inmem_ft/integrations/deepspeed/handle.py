@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
+from ...capture.restore import RestoreInfo
 from ...config import InmemFTBlock
-from ...errors import ConfigError
+from ...errors import ConfigError, LayoutChanged
 from ...persist.tier import DiskTier
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
@@ -26,12 +27,15 @@ log = logging.getLogger("inmem_ft.deepspeed")
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk"
+    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk" | "memory resharded"
     seconds: float
-    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
+    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
+    # inmem_ft/universal/reshard.py for which old rank's)
     tag: str
     phases: dict = field(default_factory=dict)
     """Seconds per phase of the restore (memory: list, agree, copy_verify, replicated, unpack; engine)."""
+    resharded: dict | None = None
+    """From another layout: {from, to, bytes_memory, bytes_parity} (layouts as Topology.layout())."""
 
 
 class Handle:
@@ -138,12 +142,17 @@ class Handle:
         if self.zero_stage in (1, 2):
             for group, shapes in zip(groups, shards.files_param_shapes(files)):
                 group["keys"] = list(shapes)
+        topology = self._layout()
+        topology.position = {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples)}
+        topology.optimizer = {"type": type(engine.basic_optimizer).__name__, "param_groups": groups}
+        return topology
+
+    def _layout(self) -> Topology:
+        import deepspeed
+
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
-                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(engine.mp_world_size),
-                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage,
-                        position={"global_steps": int(engine.global_steps),
-                                  "global_samples": int(engine.global_samples)},
-                        optimizer={"type": type(engine.basic_optimizer).__name__, "param_groups": groups})
+                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(self.engine.mp_world_size),
+                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage)
 
     def snapshot(self) -> None:
         """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
@@ -178,7 +187,12 @@ class Handle:
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
         t0 = time.perf_counter()
-        state = self.snap.restore()
+        try:
+            state = self.snap.restore(layout=self._layout())
+        except LayoutChanged:
+            if self.block.reshard == "never":
+                raise
+            return self._finish(self._load_resharded(), t0)
         mem_step = state["step"] if state is not None else -1
         disk_step = self._disk_step()
         if mem_step >= 0 and mem_step >= disk_step:
@@ -190,9 +204,11 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.rank, restored.step,
-                 restored.tier.replace(" ", "_"), restored.seconds,
-                 " ".join(f"{k}_s={v:.3f}" for k, v in restored.phases.items()))
+        layouts = f"from={restored.resharded['from']} to={restored.resharded['to']} " if restored.resharded else ""
+        log.info("restore rank=%d step=%d source=%s %sseconds=%.3f %s", self.rank, restored.step,
+                 restored.tier.replace(" ", "_"), layouts, restored.seconds,
+                 " ".join([f"{k}_s={v:.3f}" for k, v in restored.phases.items()] +
+                          [f"{k}={v}" for k, v in (restored.resharded or {}).items() if k.startswith("bytes")]))
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
@@ -216,6 +232,25 @@ class Handle:
         restore_rng_state(state["rank"]["rng"])
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
         return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag, phases)
+
+    def _load_resharded(self) -> Restored:
+        """The newest snapshots are of another layout: every rank builds its state from them (collective)."""
+        from ...universal.reshard import open_memory
+        from . import reshard
+
+        t0 = time.perf_counter()
+        reshard.check_target(self.engine)
+        config = self.snap.config
+        rs = open_memory(config.socket_path, self._layout(), self.snap.agree_min, config.node)
+        try:
+            got = reshard.load(self.engine, rs)
+        finally:
+            rs.close()
+        phases = {**rs.seconds, **got["seconds"]}
+        self.snap.resumed(RestoreInfo(rs.step, "memory resharded", time.perf_counter() - t0,
+                                      sum(rs.bytes_read.values()), None, phases))
+        return Restored(rs.step, "memory resharded", 0.0, got["extras"], stock.tag_of(rs.step), phases,
+                        rs.describe())
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
