@@ -30,6 +30,7 @@ import time
 import traceback
 
 import report  # benchmarks/report.py (the script's own folder is on sys.path)
+from deepspeed_save import setup_worker, slowest  # the same gloo/CPU worker setup and slowest-rank figure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_STAGE, TARGET_STAGES = 1, (2, 3)
@@ -66,15 +67,6 @@ def build_engine(args, stage: int, inmem: bool, universal: bool = False):
     return engine
 
 
-def setup_worker():
-    import torch
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # a 70-120 s JIT build training never uses
-    deepspeed.init_distributed(dist_backend="gloo")
-
-
 def train(engine, args) -> None:
     import torch
     import torch.distributed as dist
@@ -98,15 +90,6 @@ def digest(engine) -> str:
                   safe_get_full_optimizer_state(p, "exp_avg_sq")):
             h.update(t.detach().contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def slowest(value):
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    v = float(t.item())
-    return None if v != v else v
 
 
 def phase_stock_source(args) -> dict:
@@ -142,7 +125,9 @@ def phase_stock_load(args) -> dict:
         assert path is not None, "load_checkpoint loaded nothing"
     except Exception as e:  # MEGATRON.md: stock ZeRO-3 fails on ds_to_universal's output here
         traceback.print_exc()
-        return {"stock_load_error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return {"stock_load_error": f"{type(e).__name__} at {os.path.basename(where.filename)}:{where.lineno} "
+                                    f"({where.line}): {str(e).splitlines()[0][:300] if str(e) else ''}"}
     return {"stock_load_s": slowest(time.perf_counter() - t0), "stock_digest": digest(engine),
             "stock_step": engine.global_steps}
 
@@ -155,6 +140,7 @@ def phase_inmem_load(args) -> dict:
     wall = time.perf_counter() - t0
     restored = handle.restored
     out = {"inmem_reshard_s": slowest(wall), "inmem_tier": restored.tier if restored else None,
+           "inmem_restore_reported_s": slowest(restored.seconds if restored else None),
            "inmem_phases": restored.phases if restored else {}, "inmem_bytes": (restored.resharded or {})
            if restored else {}, "inmem_digest": digest(engine), "inmem_step": engine.global_steps}
     handle.close()
@@ -206,8 +192,10 @@ def print_table(results: dict) -> None:
               f"{str(r.get('identical', '-')):<9}  {r.get('inmem_tier')}")
         if r.get("stock_load_error"):
             print(f"    stock load on ZeRO-{stage} failed: {r['stock_load_error']}")
-        print(f"    inmem phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in r.get("inmem_phases", {}).items())
-              + f"; bytes read {r.get('inmem_bytes', {})}")
+        print(f"    inmem: install() {r['inmem_reshard_s']:.3f} s, of which the restore it logs "
+              f"{r['inmem_restore_reported_s']:.3f} s: " + ", ".join(f"{k} {v:.3f} s" for k, v in
+                                                                  r.get("inmem_phases", {}).items())
+              + f"; {r.get('inmem_bytes', {})}")
 
 
 def plot(results: dict, path: str) -> None:

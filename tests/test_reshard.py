@@ -27,7 +27,9 @@ from inmem_ft.snapshot.topology import Topology
 from inmem_ft.snapshot.tree import Replicated, Sharded, flatten
 from inmem_ft.telemetry import read_losses
 from inmem_ft.universal.assemble import Fragments
+from inmem_ft.universal.fileslots import FileSlots
 from inmem_ft.universal.reshard import per_rank_source
+from inmem_ft.universal.source import MemorySource
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 STEP, STEPS = 4, 6  # the snapshot resharded, the last step trained (two steps after it)
@@ -91,6 +93,22 @@ def test_pieces_read_only_the_bytes_that_overlap_them():
         frags.piece("m", read, flat=(50, 63))
 
 
+def test_file_slots_offer_state_trees_as_an_smp_offers_slots():
+    """The disk tier's path: per-rank trees in this process, read through MemorySource like the SMPs' slots."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(5, 7, generator=g)
+    trees = {r: {"m": Sharded(m.reshape(-1)[18 * r: 18 * r + 18].clone(),  # 18 + 17 elements
+                              ShardSpec("m", (5, 7), flat=(18 * r, min(35, 18 * r + 18)))),
+                 "rank": {"rng": np.arange(3 + r, dtype=np.uint32), "position": r}} for r in range(2)}
+    topologies = {r: Topology(world_size=2, dp=2, coords={"dp": r}) for r in range(2)}
+    with MemorySource(FileSlots(trees, STEP, topologies, "test files")) as src:
+        assert src.step == STEP and torch.equal(src.tensor("m"), m)
+        assert torch.equal(src.piece("m", flat=(10, 30)), m.reshape(-1)[10:30])
+        own = src.state(1, "rank")
+        assert own["position"] == 1 and own["rng"].tolist() == [0, 1, 2, 3]
+        assert dict(src.fragments.bytes_read) == {"disk": (35 + 20 + 4) * 4}
+
+
 def test_per_rank_state_comes_from_the_same_coordinates_else_modulo_the_old_size():
     old = {r: {"coords": {"dp": r, "tp": 0, "pp": 0}, "dp": 2, "world_size": 2} for r in range(2)}
     src = SimpleNamespace(manifests=old, topology=old[0], topology_of=lambda r: old[r])
@@ -123,7 +141,7 @@ def test_reshard_setting_is_checked():
 # ---- real DeepSpeed jobs ------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None):
+def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None, *extra):
     """A job of nodes x per_node ranks at ZeRO `stage` that trained STEPS steps; the snapshot of STEP stays in
     its SMPs. Yields the cluster, with what the job measured as `cluster.source`."""
     job = f"t{uuid.uuid4().hex[:10]}"
@@ -134,7 +152,7 @@ def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None):
             with SimulatedCluster(nodes, per_node, job, 256 << 20, str(tmp / "logs"), env=ENV,
                                   parity=parity) as cluster:
                 cluster.tmp, cluster.dtype = tmp, dtype
-                cluster.source = run(cluster, "source", stage)
+                cluster.source = run(cluster, "source", stage, *extra)
                 yield cluster
         finally:
             for seg in names_with_prefix(f"inmemft.{job}."):
@@ -160,16 +178,17 @@ def run(cluster, name, stage, *extra, ok=True) -> dict:
             "log": log}
 
 
-def reshard(cluster, nodes, per_node, stage, old, new) -> dict:
+def reshard(cluster, nodes, per_node, stage, old, new, tier="memory resharded", *extra) -> dict:
     """Back on nodes x per_node ranks at ZeRO `stage`: resumed exactly as the source job went on."""
     cluster.reshape(nodes, per_node)
-    got = run(cluster, f"z{stage}n{nodes}x{per_node}", stage)
+    got = run(cluster, f"z{stage}n{nodes}x{per_node}", stage, *extra)
     source = cluster.source
-    assert f"restore rank=0 step={STEP} source=memory_resharded from={old} to={new} seconds=" in got["log"]
+    where = tier.replace(" ", "_")
+    assert f"restore rank=0 step={STEP} source={where} from={old} to={new} seconds=" in got["log"]
     truth, full = source["full"], got["full"]
     assert sorted(full) == sorted(truth)
     assert [k for k in truth if not torch.equal(full[k], truth[k])] == []  # bit-identical, weights included
-    assert got["counters"] == {**source["counters"], "restored": "memory resharded"}  # steps, lr, scheduler, data
+    assert got["counters"] == {**source["counters"], "restored": tier}  # steps, lr, scheduler, data position
     # fp32: the same global batches summed in another order; bf16 rounds each partial sum to 8 bits.
     rtol = LOSS_RTOL if cluster.dtype == "fp32" else 1e-3
     for step in range(STEP + 1, STEPS + 1):
@@ -197,7 +216,7 @@ def test_reshard_never_keeps_the_clear_error(zero1_dp2):
 def test_zero1_dp2_resumes_as_zero3_dp1_bit_identical(zero1_dp2):
     """DP 2 -> 1 and ZeRO-1 -> 3 at once; node 1's fragments come over the SMPs' peer link."""
     got = reshard(zero1_dp2, 1, 1, 3, "tp1.pp1.dp2.zero1", "tp1.pp1.dp1.zero3")
-    assert "bytes_parity=0" in got["log"]
+    assert "bytes_memory=" in got["log"] and "bytes_parity=" not in got["log"]
 
 
 @pytest.mark.slow
@@ -221,4 +240,20 @@ def test_zero2_dp2_resumes_as_zero3_then_as_zero1_dp1_from_parity_after_losing_a
         cluster.kill_smp(1)
         cluster.wipe_node(1)
         got = reshard(cluster, 1, 1, 1, "tp1.pp1.dp2.zero2", "tp1.pp1.dp1.zero1")
-        assert "bytes_parity=0" not in got["log"] and "bytes_parity=" in got["log"]
+        assert "bytes_parity=" in got["log"]
+
+
+@pytest.mark.slow
+def test_zero2_dp2_resumes_as_zero1_dp1_from_the_disk_tier_when_memory_is_gone(tmp_path):
+    disk = ["--persist-dir", tmp_path / "ckpt", "--persist-every", 1]
+    with source_job(tmp_path, 2, 1, 2, "fp32", None, *disk) as cluster:
+        for node in range(cluster.nodes):
+            cluster.kill_smp(node)
+            cluster.wipe_node(node)
+            cluster.start_smp(node)
+        got = reshard(cluster, 1, 1, 1, "tp1.pp1.dp2.zero2", "tp1.pp1.dp1.zero1", "disk resharded", *disk)
+        assert "bytes_disk=" in got["log"] and "bytes_memory=" not in got["log"]
+        cluster.reshape(1, 1)
+        never = run(cluster, "disk_never", 1, "--reshard", "never", *disk, ok=False)
+        assert f"LayoutMismatch: {tmp_path / 'ckpt'}/global_step4 was written with tp1.pp1.dp2.zero2, this job runs " \
+               f"with tp1.pp1.dp1.zero1" in never["log"]

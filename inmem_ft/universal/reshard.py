@@ -1,6 +1,7 @@
 """Resharding on restore: a job back on another parallel layout builds each rank's state from the snapshots
 its old layout left in memory, read through the job-wide catalog: the local SMP's shared memory first, then
-other nodes, then parity for a lost node. Only the pieces a rank holds travel, one at a time.
+other nodes, then parity for a lost node (or from a disk checkpoint's files, offered as slots by
+fileslots.FileSlots). Only the pieces a rank holds travel, one at a time.
 
 Framework-free. This module finds the old layout's newest step that every old rank holds (the same one on
 every new rank), reads any piece of any global tensor, and decides what each new rank takes of the old
@@ -67,13 +68,13 @@ class Resharding:
         return dict(self.source.fragments.bytes_read)
 
     def describe(self) -> dict:
-        """For the restore log line: from/to layouts and where the bytes came from."""
-        got = self.bytes_read
-        return {"from": self.old.layout(), "to": self.new.layout(), "bytes_memory": got.get("memory", 0),
-                "bytes_parity": got.get("parity", 0)}
+        """For the restore log line: from/to layouts, and bytes read by where they came from (memory, parity,
+        disk)."""
+        return {"from": self.old.layout(), "to": self.new.layout(),
+                **{f"bytes_{where}": n for where, n in sorted(self.bytes_read.items())}}
 
     def close(self) -> None:
-        self.source.client.close()
+        self.source.close()
 
 
 def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = None) -> Resharding:
@@ -85,25 +86,48 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
     try:
         listing = _listing(socket_path)
         key, mine = _newest_old(listing, new)
-    except InmemFTError as e:
+    except Exception as e:  # every rank must take part in the agreement below, whatever went wrong
         error = e
     step = agree_min(mine)
     if step == NO_STEP:
         raise error or InmemFTError("another rank of the job could not open the old layout's snapshots (its log "
                                     "says why); nothing was changed")
-    ok, source = 1, None
+
+    def open_step():
+        return _resharding(MemorySource(socket_path, step, node=node, listing=listing,
+                                        accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key),
+                           new, t0)
+    return agreed(agree_min, open_step)
+
+
+def open_files(slots, new: Topology) -> Resharding:
+    """Over the one step of fileslots.FileSlots (a disk tier's checkpoint)."""
+    return _resharding(MemorySource(slots), new, time.perf_counter())
+
+
+def agreed(agree_min, open_fn) -> Resharding:
+    """open_fn() on every rank of the job; raises on every rank when it failed on one, since nothing collective
+    may follow a failure only some ranks saw."""
+    value, error = None, None
     try:
-        source = MemorySource(socket_path, step, node=node, listing=listing,
-                              accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key)
-    except InmemFTError as e:
-        ok, error = 0, e
-    if not agree_min(ok):
-        if source is not None:
-            source.client.close()
-        raise error or InmemFTError(f"another rank of the job could not read step {step} of the old layout (its "
-                                    f"log says why); nothing was changed")
-    old = Topology.from_json(source.topology)
-    return Resharding(source, old, new, per_rank_source(source, new),
+        value = open_fn()
+    except Exception as e:
+        error = e
+    if not agree_min(int(error is None)):
+        if value is not None:
+            value.close()
+        raise error or InmemFTError("another rank of the job could not open the old layout's state (its log says "
+                                    "why); nothing was changed")
+    return value
+
+
+def _resharding(source: MemorySource, new: Topology, t0: float) -> Resharding:
+    try:
+        per_rank = per_rank_source(source, new)
+    except BaseException:
+        source.close()
+        raise
+    return Resharding(source, Topology.from_json(source.topology), new, per_rank,
                       {"open": round(time.perf_counter() - t0, 4)})
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..cluster.localreads import LocalReads
 from ..errors import InmemFTError, StepIncomplete
 from ..smp.client import SMPClient
 from ..snapshot import catalog
@@ -20,12 +21,14 @@ from .assemble import Fragments, keys
 
 
 class MemorySource:
-    def __init__(self, socket_path: str, step: int | None = None, *, node: int | None = None,
+    def __init__(self, slots, step: int | None = None, *, node: int | None = None,
                  accept: Callable[[dict], bool] | None = None, listing: dict | None = None):
-        """`step`: default the newest one every rank holds. `node`: the reader's own node, whose copies are
-        read first. `accept(entry)`: only the listed slots it accepts count (a reshard reads the old layout's).
-        `listing`: the SMP's catalog listing, when the caller has just asked for it."""
-        self.client = SMPClient(socket_path)
+        """`slots`: the local SMP's socket path, or what answers as its client does (catalog, read, close:
+        fileslots.FileSlots). `step`: default the newest one every rank holds. `node`: the reader's own node,
+        whose copies are read first. `accept(entry)`: only the listed slots it accepts count (a reshard reads
+        the old layout's). `listing`: the catalog listing, when the caller has just asked for it."""
+        self.client = SMPClient(slots) if isinstance(slots, str) else slots
+        self._local = None
         try:
             listing = listing or self.client.catalog()
             entries = [e for e in listing["entries"] if accept is None or accept(e)]
@@ -40,6 +43,10 @@ class MemorySource:
             self.client.close()
             raise
         self.fragments = Fragments(self.table)
+        self.read = self.client.read
+        if node is not None and isinstance(slots, str):  # this node's slots straight from shared memory
+            self._local = LocalReads(node, catalog.select(entries, self.step, node), self.client.read)
+            self.read = self._local.read
         # The copy catalog.fragments reads (memory before parity) also gives each rank's manifest.
         self.manifests: dict[int, dict] = {}
         for e in catalog.select(entries, self.step, node):
@@ -49,6 +56,11 @@ class MemorySource:
         return self
 
     def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
         self.client.close()
 
     def keys(self) -> list[str]:
@@ -56,11 +68,11 @@ class MemorySource:
         return [k for k in keys(self.table) if not k.startswith("_")]
 
     def tensor(self, key: str):
-        return self.fragments.tensor(key, self.client.read)
+        return self.fragments.tensor(key, self.read)
 
     def piece(self, key: str, offset=None, shape=None, flat=None, out=None):
         """Fragments.piece: only the bytes of the piece travel."""
-        return self.fragments.piece(key, self.client.read, offset, shape, flat, out)
+        return self.fragments.piece(key, self.read, offset, shape, flat, out)
 
     @property
     def topology(self) -> dict:
@@ -96,7 +108,7 @@ class _Leaves:
         if "shards" in leaf:
             return None
         if leaf["k"] == "a":  # numpy (its RNG state, say): the bytes, in numpy's dtype
-            raw = self.source.fragments.raw(catalog.leaf_key(self.manifest, i), self.source.client.read) \
+            raw = self.source.fragments.raw(catalog.leaf_key(self.manifest, i), self.source.read) \
                 if math.prod(leaf["sh"]) else np.zeros(0, np.uint8)
             return raw.view(np.dtype(leaf["dt"])).reshape(leaf["sh"])
         if not math.prod(leaf["sh"]):  # not catalogued: nothing to read

@@ -13,21 +13,24 @@ from typing import Any, Callable
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...config import InmemFTBlock
-from ...errors import ConfigError, LayoutChanged
+from ...errors import ConfigError, LayoutChanged, LayoutMismatch
 from ...persist.tier import DiskTier
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
-from . import shards, stock, support, types
+from ...universal.reshard import agreed, open_memory
+from . import reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
+MEMORY_RESHARDED = "memory resharded"
 
 
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk" | "memory resharded"
+    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk" | "memory resharded" |
+    # "disk resharded"
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
     # inmem_ft/universal/reshard.py for which old rank's)
@@ -174,8 +177,9 @@ class Handle:
         if not self.block.persist:
             return -1
         step = stock.step_of(self.snap.disk.latest())
-        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step),
-                                                                     self.rank)):
+        # Rank 0's state, not this rank's: a job back on more ranks reshards the step (`latest` is written only
+        # once every rank of it wrote its files).
+        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step), 0)):
             step = -1
         low, high = self.snap.agree_min(step), -self.snap.agree_min(-step)
         if low != high:
@@ -192,7 +196,9 @@ class Handle:
         except LayoutChanged:
             if self.block.reshard == "never":
                 raise
-            return self._finish(self._load_resharded(), t0)
+            config = self.snap.config
+            return self._finish(self._load_resharded(MEMORY_RESHARDED, lambda: open_memory(
+                config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
         mem_step = state["step"] if state is not None else -1
         disk_step = self._disk_step()
         if mem_step >= 0 and mem_step >= disk_step:
@@ -233,27 +239,31 @@ class Handle:
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
         return Restored(state["step"], self.snap.last_restore.source, 0.0, state["rank"]["extras"], tag, phases)
 
-    def _load_resharded(self) -> Restored:
-        """The newest snapshots are of another layout: every rank builds its state from them (collective)."""
-        from ...universal.reshard import open_memory
-        from . import reshard
-
+    def _load_resharded(self, tier: str, open_source) -> Restored:
+        """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
         t0 = time.perf_counter()
         reshard.check_target(self.engine)
-        config = self.snap.config
-        rs = open_memory(config.socket_path, self._layout(), self.snap.agree_min, config.node)
+        rs = open_source()
         try:
             got = reshard.load(self.engine, rs)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}
-        self.snap.resumed(RestoreInfo(rs.step, "memory resharded", time.perf_counter() - t0,
-                                      sum(rs.bytes_read.values()), None, phases))
-        return Restored(rs.step, "memory resharded", 0.0, got["extras"], stock.tag_of(rs.step), phases,
-                        rs.describe())
+        if tier == MEMORY_RESHARDED:  # the SMPs keep that step until a newer one is complete (a disk load: nothing)
+            self.snap.resumed(RestoreInfo(rs.step, tier, time.perf_counter() - t0, sum(rs.bytes_read.values()),
+                                          None, phases))
+        return Restored(rs.step, tier, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
 
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
+        old, new = reshard.disk_layout(self.block.persist_dir, tag), self._layout()
+        if old.layout_key() != new.layout_key():
+            if self.block.reshard == "never":
+                raise LayoutMismatch(f"{self.block.persist_dir}/{tag} was written with {old.layout()}, this job runs "
+                                     f"with {new.layout()}: restart with the original layout, or let inmem_ft "
+                                     f"reshard it (\"reshard\": \"auto\" in the inmem_ft block)")
+            return self._load_resharded("disk resharded", lambda: agreed(
+                self.snap.agree_min, lambda: reshard.open_disk(self.block.persist_dir, step, new)))
         path, _ = self._load(self.block.persist_dir, tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load {tag} from {self.block.persist_dir}")

@@ -1,6 +1,7 @@
 """A snapshot of another ZeRO stage or DP size, put into a live ZeRO-1/2/3 engine (universal/reshard.py finds
-and reads it). Translation only: which flat range of each parameter this rank holds, and DeepSpeed's public
-API to put values there (`deepspeed.utils.safe_set_*`), as DeepSpeed's own universal-checkpoint load does.
+and reads it; a disk-tier step of another layout is offered to it the same way, open_disk). Translation only:
+which flat range of each parameter this rank holds, and DeepSpeed's public API to put values there
+(`deepspeed.utils.safe_set_*`), as DeepSpeed's own universal-checkpoint load does.
 
 Where that API stops short (DeepSpeed 0.19.8, checked on CPU):
 - a fresh engine has no optimizer state (Adam creates it at the first step, and ZeRO-1/2 link their
@@ -17,14 +18,17 @@ Where that API stops short (DeepSpeed 0.19.8, checked on CPU):
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
 
 from ...capture import restore_rng_state
 from ...errors import ConfigError, InmemFTError
-from ...universal.reshard import Resharding
-from .stock import model_and_optimizer
+from ...snapshot.topology import Topology
+from ...universal.fileslots import FileSlots
+from ...universal.reshard import Resharding, open_files
+from . import shards, stock
 
 FP32 = "fp32_param"
 
@@ -36,17 +40,18 @@ def load(engine, rs: Resharding) -> dict:
 
     t0 = time.perf_counter()
     stage = int(engine.zero_optimization_stage())
-    params = _plan(engine, rs, stage)
-    model, _, inner = model_and_optimizer(rs.job_state("files"), f"step {rs.step} of the old layout")
-    step = _step(inner)
-    if len(inner["param_groups"]) != len(engine.optimizer.param_groups):
-        raise InmemFTError(f"the old layout's optimizer has {len(inner['param_groups'])} param groups, this one "
-                           f"{len(engine.optimizer.param_groups)}: restart the job with the optimizer it was taken "
-                           f"with")
     ok, error = 1, None
-    try:
-        _fill(engine, rs, stage, params, step)
-    except InmemFTError as e:  # a read failed: every rank must hear it before the collectives below
+    try:  # every rank must hear of a failure before the collectives below, or they would wait forever
+        params = _plan(engine, rs, stage)
+        model, _, inner = stock.model_and_optimizer(rs.job_state("files"), f"step {rs.step} of the old layout")
+        if len(inner["param_groups"]) != len(engine.optimizer.param_groups):
+            raise InmemFTError(f"the old layout's optimizer has {len(inner['param_groups'])} param groups, this "
+                               f"one {len(engine.optimizer.param_groups)}: restart the job with the optimizer it was "
+                               f"taken with")
+        _fill(engine, rs, stage, params, _step(inner))
+        _buffers(engine, rs, model)
+        own = rs.rank_state("rank")
+    except Exception as e:
         ok, error = 0, e
     t1 = time.perf_counter()
     everyone = torch.tensor([ok], dtype=torch.int64)
@@ -58,7 +63,6 @@ def load(engine, rs: Resharding) -> dict:
         engine.optimizer.checkpoint_event_epilogue()
     else:
         engine.optimizer.update_lp_params()
-    _buffers(engine, rs, model)
     for group, saved in zip(engine.optimizer.param_groups, inner["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
     if engine.lr_scheduler is not None and model.get("lr_scheduler") is not None:
@@ -67,10 +71,44 @@ def load(engine, rs: Resharding) -> dict:
     engine.global_steps = int(position.get("global_steps", model["global_steps"]))
     engine.global_samples = int(position.get("global_samples", model["global_samples"]))
     engine.skipped_steps = int(model.get("skipped_steps", 0))
-    own = rs.rank_state("rank")
     restore_rng_state(own["rng"])
     return {"extras": own["extras"],
             "seconds": {"read_set": round(t1 - t0, 4), "engine": round(time.perf_counter() - t1, 4)}}
+
+
+def disk_layout(directory: str, tag: str) -> Topology:
+    """The layout the disk tier's step `tag` was written on, from DP rank 0's files (memory-mapped: only their
+    small entries are read)."""
+    model = stock.load_mapped(stock.model_states_path(directory, tag))
+    optim = stock.load_mapped(os.path.join(directory, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) \
+        if os.path.exists(os.path.join(directory, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) else {}
+    stage = int(optim.get("optimizer_state_dict", {}).get("zero_stage", 0))  # ZeRO-0 writes no such file
+    dp, tp = int(model["dp_world_size"]), int(model["mp_world_size"])
+    return Topology(framework="deepspeed", world_size=dp * tp, dp=dp, tp=tp, coords={"dp": 0, "tp": 0, "pp": 0},
+                    zero_stage=stage, position={"global_steps": int(model["global_steps"]),
+                                                "global_samples": int(model["global_samples"])})
+
+
+def open_disk(directory: str, step: int, new: Topology) -> Resharding:
+    """The disk tier's step (stock files, with each rank's inmem_ft state beside them) as a Resharding: the same
+    shard specs as a snapshot's, over the memory-mapped files."""
+    tag = stock.tag_of(step)
+    old = disk_layout(directory, tag)
+    if old.tp != 1 or old.zero_stage not in (1, 2, 3):
+        raise InmemFTError(f"{os.path.join(directory, tag)} is ZeRO-{old.zero_stage} tp{old.tp}: resharding reads "
+                           f"ZeRO-1/2/3 checkpoints without tensor parallelism")
+    files = stock.files_on_disk(directory, tag)
+    if sorted(files) != list(range(old.dp)):
+        raise InmemFTError(f"{os.path.join(directory, tag)} holds the optimizer states of DP ranks {sorted(files)}, "
+                           f"its model states say {old.dp}: the checkpoint is incomplete")
+    shapes = shards.files_param_shapes(files[0])
+    trees, topologies = {}, {}
+    for rank, own in files.items():
+        trees[rank] = {"tag": tag, "step": step, "rank": stock.read_rank_state(directory, tag, rank),
+                       "files": shards.with_specs(own, zero_stage=old.zero_stage, dp_rank=rank, dp_size=old.dp,
+                                                  param_names={}, param_shapes=shapes)}
+        topologies[rank] = Topology(**{**old.to_json(), "coords": {"dp": rank, "tp": 0, "pp": 0}})
+    return open_files(FileSlots(trees, step, topologies, os.path.join(directory, tag)), new)
 
 
 def check_target(engine) -> None:
@@ -103,6 +141,8 @@ def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parame
         got = rs.source.fragments.shape(kinds[FP32])
         if got != shape:
             problems.append(f"{name}: shape {shape} here, {got} in the snapshot")
+        problems += [f"{key}: {rs.source.fragments.dtype(key)} in the snapshot, not float32" for key in kinds.values()
+                     if rs.source.fragments.dtype(key) != torch.float32]
         out.append((name, p, kinds))
     problems += [f"{name}: in the snapshot, not in this model" for name in sorted(keys)]
     if problems:
@@ -156,12 +196,16 @@ def _fill(engine, rs: Resharding, stage: int, params, step) -> None:
     else:
         for lp, flat in zip(opt.bit16_groups, flats):
             lazy_init_hp_params_optimizer_state(lp, flat, opt.optimizer.state)
+    # One scratch tensor for every piece: fresh pages fault once, not once per piece (several times the copy
+    # on a loaded box), and memory stays at the largest parameter beyond the engine's own state.
+    scratch = torch.empty(max(p.partition_numel() if stage == 3 else p.numel() for _, p, _ in params))
     for name, p, keys in params:
         if stage == 3:
             part = p.partition_numel()
             lo, hi = _zero3_range(name, p, part, opt.dp_process_group)
+            local = scratch[:part]
+            local[hi - lo:] = 0  # the last partition's padding, as ZeRO-3 keeps it
             for kind, key in sorted(keys.items()):
-                local = torch.zeros(part, dtype=torch.float32)
                 rs.source.piece(key, flat=(lo, hi), out=local[: hi - lo])
                 if kind == FP32:
                     safe_set_local_fp32_param(p, local)
@@ -173,8 +217,8 @@ def _fill(engine, rs: Resharding, stage: int, params, step) -> None:
             continue
         where = p._hp_mapping.lp_fragment_address
         lo, hi = where.start, where.start + where.numel
+        full = scratch[: p.numel()]  # only [lo, hi) is read into, and only that is set
         for kind, key in sorted(keys.items()):
-            full = torch.empty(p.numel(), dtype=torch.float32)  # only [lo, hi) is touched, hence resident
             rs.source.piece(key, flat=(lo, hi), out=full[lo:hi])
             if kind == FP32:
                 safe_set_full_fp32_param(p, full.view(p.shape))
