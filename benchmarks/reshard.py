@@ -207,7 +207,8 @@ def plot(results: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, stage in enumerate(stages):
         r = results["targets"][stage]
-        ax.bar(i - 0.2, r["inmem_reshard_s"], 0.35, color="#2a7", label="inmem_ft reshard from memory" if i == 0 else None)
+        ax.bar(i - 0.2, r["inmem_reshard_s"], 0.35, color="#2a7",
+               label="inmem_ft reshard from memory" if i == 0 else None)
         parts = [("stock_save_s", "#c55", "stock save_checkpoint"), ("ds_to_universal_s", "#e93", "ds_to_universal"),
                  ("stock_load_s", "#59c", "load_universal")]
         bottom = 0.0

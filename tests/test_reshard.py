@@ -165,8 +165,8 @@ def run(cluster, name, stage, *extra, ok=True) -> dict:
     dump, losses = cluster.tmp / f"{name}.pt", cluster.tmp / f"{name}.jsonl"
     attempt = cluster.run([str(a) for a in [
         "-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", stage, "--dtype", cluster.dtype, "--steps", STEPS,
-        "--interval", STEP, "--global-batch", 8, "--dropout", 0, "--dump-full", dump, "--dump-step", STEP,
-        "--loss-log", losses, *extra]])
+        "--interval", STEP, "--global-batch", 8, "--dropout", 0, "--loss-log", losses,
+        "--dump-full", dump, "--dump-step", STEP, "--dump-weights", *extra]])
     log = cluster.rank_log(attempt.number, 0)
     if not ok:
         assert not attempt.ok

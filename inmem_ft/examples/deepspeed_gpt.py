@@ -121,9 +121,11 @@ def state_digest(engine) -> str:
     return h.hexdigest()
 
 
-def full_state(engine) -> dict:
+def full_state(engine, zero3_weights: bool = False) -> dict:
     """Every global tensor of the model and its optimizer, keyed as inmem_ft's shard map keys them, gathered
-    the way DeepSpeed itself does (collective under ZeRO-3): the ground truth a shard-map reader must rebuild."""
+    the way DeepSpeed itself does (collective under ZeRO-3): the ground truth a shard-map reader must rebuild.
+    A ZeRO-3 snapshot holds no module weights (they are its fp32 masters, rounded): `zero3_weights` gathers
+    them too."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -131,8 +133,9 @@ def full_state(engine) -> dict:
     stage = engine.zero_optimization_stage()
     lp_groups = getattr(opt, "fp16_groups", None)  # ZeRO-0 bf16: fp32 copies stand beside these
     for name, p in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):  # the module weight, whole
-            out[name] = p.detach().clone()
+        if stage < 3 or zero3_weights:
+            with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+                out[name] = p.detach().clone()
         fp32 = safe_get_full_fp32_param(p)
         if fp32 is not None:
             out[f"optimizer.state.fp32_param.{name}"] = fp32.detach().clone()
@@ -150,9 +153,9 @@ def full_state(engine) -> dict:
     return out
 
 
-def dump_full(engine, stream, path: str, rank: int, restored) -> None:
+def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: bool) -> None:
     """full_state (collective) to `path` and the counters a resume must carry to `path`.json, from rank 0."""
-    full = full_state(engine)
+    full = full_state(engine, zero3_weights)
     steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
     counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                 "skipped_steps": engine.skipped_steps, "optimizer_steps": steps, "lr": engine.get_lr(),
@@ -208,6 +211,7 @@ def main() -> None:
                                                      "(steps, scheduler, data position) to PATH.json")
     p.add_argument("--dump-step", type=int, default=None, help="with --dump-full: after this step (or right after "
                                                                "the restore of it) instead of at the end")
+    p.add_argument("--dump-weights", action="store_true", help="with --dump-full: ZeRO-3's module weights too")
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
@@ -261,7 +265,7 @@ def main() -> None:
             f.write(json.dumps({"step": start, "digest": state_digest(engine)}))
     restored = handle.restored if handle is not None else None
     if args.dump_full and args.dump_step == start:
-        dump_full(engine, stream, args.dump_full, rank, restored)
+        dump_full(engine, stream, args.dump_full, rank, restored, args.dump_weights)
     for step in range(start + 1, args.steps + 1):
         x, y = stream.next()
         loss = engine(x, y)
@@ -271,7 +275,7 @@ def main() -> None:
         deepspeed.comm.all_reduce(mean)
         inmem_ft.report_loss(step, mean.item() / deepspeed.comm.get_world_size(), args.loss_log)
         if args.dump_full and args.dump_step == step:
-            dump_full(engine, stream, args.dump_full, rank, None)
+            dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
         if step == args.die_at and rank == args.die_rank:
             if handle is not None:
                 handle.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
@@ -279,7 +283,7 @@ def main() -> None:
     if handle is not None:
         handle.close()
     if args.dump_full and args.dump_step is None:
-        dump_full(engine, stream, args.dump_full, rank, None)
+        dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
     deepspeed.comm.destroy_process_group()
 
 

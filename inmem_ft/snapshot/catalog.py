@@ -60,10 +60,12 @@ def complete_step(entries: list[dict], step: int | None = None) -> int:
     missing = {s: sorted(set(range(worlds[s].pop())) - ranks) for s, ranks in held.items()}
     if step is not None:
         if step not in missing:
-            raise StepIncomplete(f"step {step} is held by no rank on any reachable node (held: {_describe(missing)})")
+            raise StepIncomplete(f"step {step} is not held for every rank: no rank has a slot of it on any reachable "
+                                 f"node (held: {_describe(missing)})")
         if missing[step]:
-            raise StepIncomplete(f"step {step} is not held for every rank: ranks {_short(missing[step])} have no "
-                                 f"slot of it on any reachable node (held: {_describe(missing)})")
+            raise StepIncomplete(f"step {step} is not held for every rank: ranks {_short(missing[step])} of "
+                                 f"{len(missing[step]) + len(held[step])} have no slot of it on any reachable node "
+                                 f"(held: {_describe(missing)})")
         return step
     done = [s for s, lack in missing.items() if not lack]
     if not done:
