@@ -159,8 +159,8 @@ def _newest_old(listing: dict, new: Topology) -> tuple[tuple, int]:
         lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
         raise StepIncomplete(f"no step of another layout is held for all its ranks, so there is nothing to reshard "
                              f"from ({'; '.join(why) or 'no snapshots of another layout'}"
-                             f"{f'; unreachable: {lost}' if lost else ''}); restore from the disk tier, or set "
-                             f"start_fresh to train from scratch")
+                             f"{f'; unreachable: {lost}' if lost else ''}); bring back the nodes that hold them, "
+                             f"or wipe the SMPs (inmem-ft smp stop --wipe) to restore from the disk tier")
     return best
 
 
