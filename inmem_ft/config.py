@@ -13,6 +13,7 @@ from .smp import paths
 from .units import parse_size
 
 ON_ERROR = ("warn", "raise")
+RESHARD = ("auto", "never")
 
 
 def _from_dict(cls, values, where: str):
@@ -129,6 +130,9 @@ class InmemFTBlock:
     """Train from scratch when snapshots of a completed step cannot be restored (default: fail, keep them)."""
     spill_dir: str | None = None
     """SMP-side: where the SMP writes its newest complete step on SIGTERM (preemption), and starts from."""
+    reshard: str = "auto"
+    """A job back on another layout (DP size, ZeRO stage): 'auto' rebuilds each rank's state from the old
+    layout's snapshots; 'never' stops with LayoutMismatch instead."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -162,6 +166,8 @@ class InmemFTBlock:
             bad("spill_dir", "must be a directory path")
         if self.persist_every and not self.persist_dir:
             bad("persist_every", "needs 'persist_dir'")
+        if self.reshard not in RESHARD:
+            bad("reshard", f"must be one of {RESHARD}")
         self.snapshot_config()  # interval, on_error, staging_budget, timeout_s: checked where they live
 
     @property

@@ -29,6 +29,15 @@ class LayoutMismatch(InmemFTError):
     """The stored snapshot was taken by a job of another shape."""
 
 
+class LayoutChanged(LayoutMismatch):
+    """The newest snapshots in memory were taken on another parallel layout than this job's; `step` is the
+    newest such step. An adapter that reshards catches it; everyone else sees a LayoutMismatch."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 class UnsafeType(InmemFTError, TypeError):
     """A value in the state cannot be stored without pickle."""
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import InmemFTError, LayoutMismatch, SnapshotCorrupt, UnknownFormat
+from ..errors import InmemFTError, LayoutChanged, LayoutMismatch, SnapshotCorrupt, UnknownFormat
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
+from ..snapshot.topology import Topology, layout_key
 from .agreement import all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
@@ -71,13 +72,16 @@ class _Clock:
 class Restorer:
     """The restore protocol of one Snapshotter (its SMP client, agreement group and slot mappings)."""
 
-    def __init__(self, snap):
-        self.snap = snap
+    def __init__(self, snap, layout: Topology | None = None):
+        """layout: this job's parallel layout; slots taken on another are not restored as they are (default:
+        only the world size is compared)."""
+        self.snap, self.layout = snap, layout
+        self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
     def restore(self, views: bool = False):
         snap, clock = self.snap, _Clock()
         listing = snap._smp.call("list", rank=snap.rank)
-        local = self._candidates(listing["slots"])
+        local = self._own_layout(self._candidates(listing["slots"]))
         clock.mark("list")
         rows = self._gather_candidates(local, listing)
         clock.mark("agree")
@@ -88,7 +92,7 @@ class Restorer:
         lacking = (want != NO_STEP and want not in mine) or (not mine and any(row[4] for row in rows))
         if -snap._agree.min(-int(lacking and self._pull())):
             listing = snap._smp.call("list", rank=snap.rank)
-            local = self._candidates(listing["slots"])
+            local = self._own_layout(self._candidates(listing["slots"]))
             rows = self._gather_candidates(local, listing)
             clock.mark("pull")
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
@@ -130,22 +134,45 @@ class Restorer:
                      slot["from_node"], slot["source"].replace(" ", "_"))
         return bool(pulled)
 
+    def _own_layout(self, candidates: list[_Candidate]) -> list[_Candidate]:
+        """The candidates of this job's layout; remembers the newest of another."""
+        own, self._foreign = [], None
+        for c in candidates:
+            same = c.manifest["world_size"] == self.snap.world_size and (
+                self.layout is None or layout_key(c.manifest.get("topology", {})) == self.layout.layout_key())
+            if same:
+                own.append(c)
+            elif self._foreign is None or c.step > self._foreign.step:
+                self._foreign = c
+        return own
+
     def _gather_candidates(self, local: list[_Candidate], listing: dict) -> list[list[int]]:
-        """Every rank's steps (two, padded), the world size of a foreign-layout snapshot if any, the newest step
-        its SMP knows the job completed, and whether its SMP holds snapshots of any rank."""
-        snap = self.snap
-        mismatch = next((c.manifest["world_size"] for c in local if c.manifest["world_size"] != snap.world_size), 0)
+        """Every rank's steps of this layout (two, padded), its newest step of another layout, the newest step
+        its SMP knows the job completed, whether its SMP holds snapshots of any rank, and the world size of
+        that other layout's snapshot. Raises LayoutChanged when the newest snapshots are of another layout."""
+        snap, other = self.snap, self._foreign
         steps = [c.step for c in local][:2]
         known = NO_STEP if listing.get("complete_step") is None else int(listing["complete_step"])
-        rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [mismatch, known,
-                                                                          int(listing.get("holds_any", False))])
-        for rank, row in enumerate(rows):
-            if row[2]:
-                raise LayoutMismatch(
-                    f"the snapshots in memory were taken with world size {row[2]} (rank {rank}), this job has "
-                    f"{snap.world_size}; restart with the original layout (this release cannot reshard a snapshot "
-                    f"to another layout). Nothing was discarded.")
+        rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [
+            other.step if other else NO_STEP, known, int(listing.get("holds_any", False)),
+            other.manifest["world_size"] if other else 0])
+        foreign = max(row[2] for row in rows)
+        if foreign != NO_STEP:
+            complete = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
+            # Older than what this layout completed (stale slots of an earlier layout): not what to resume.
+            if foreign > max(complete, default=NO_STEP) and foreign >= max(row[3] for row in rows):
+                raise LayoutChanged(self._changed(rows, foreign), foreign)
         return rows
+
+    def _changed(self, rows: list[list[int]], step: int) -> str:
+        rank = next(r for r, row in enumerate(rows) if row[2] == step)
+        old = f"world size {rows[rank][5]}"
+        if self._foreign is not None and self._foreign.step == step and "topology" in self._foreign.manifest:
+            old += f" ({Topology.from_json(self._foreign.manifest['topology']).layout()})"
+        new = f"world size {self.snap.world_size}" + (f" ({self.layout.layout()})" if self.layout else "")
+        return (f"the newest snapshots in memory (step {step}, found by rank {rank}) were taken with {old}, this job "
+                f"runs with {new}: restart with the original layout, or let inmem_ft reshard them (DeepSpeed: "
+                f"\"reshard\": \"auto\" in the inmem_ft block). Nothing was discarded.")
 
     def _nothing(self, rows: list[list[int]]):
         """No step is usable on every rank. Starting over is right only if no step was ever complete."""
@@ -204,16 +231,12 @@ class Restorer:
 
     def _finish(self, step, state, candidate: _Candidate, nbytes: int, clock: _Clock):
         snap = self.snap
-        snap._smp.call("restored", rank=snap.rank, step=step)
-        snap._complete = step
         info = RestoreInfo(step, candidate.source, clock.total, nbytes, path_of(candidate.attached.segment.name),
                            dict(clock.phases))
-        snap.last_restore = info
+        snap.resumed(info)
         log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
                  candidate.source.replace(" ", "_"), info.seconds, nbytes,
                  " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))
-        if snap._heartbeat:
-            snap._heartbeat.beat(step=step, restored=vars(info))
         return state
 
 

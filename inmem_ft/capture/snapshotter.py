@@ -342,20 +342,30 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self, views: bool = False):
+    def restore(self, layout: Topology | None = None, views: bool = False):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
-        (unless config.start_fresh).
+        (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
+        another layout than `layout` (default: another world size).
 
         The state's tensors are private copies; with `views`, most of them view the slots in shared memory
         instead (no copy): the caller must not write into them and must copy out what it keeps before the
         next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`."""
         self.wait()
-        return Restorer(self).restore(views)
+        return Restorer(self, layout).restore(views)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""
         return {attached.bytes.untyped_storage().data_ptr() for attached in self._attached.values()}
+
+    def resumed(self, info: RestoreInfo) -> None:
+        """The job resumes from `info.step` (restored here, or rebuilt from another layout's snapshots by an
+        adapter): the SMP drops this rank's newer slots and keeps that step until a newer one is complete."""
+        self._smp.call("restored", rank=self.rank, step=info.step)
+        self._complete = info.step
+        self.last_restore = info
+        if self._heartbeat:
+            self._heartbeat.beat(step=info.step, restored=vars(info))
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -78,6 +78,27 @@ class TokenStream:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
+class GlobalBatches:
+    """Layout-independent data: batch `position` is `size` sequences drawn from (seed, position) alone, and
+    data-parallel rank d of n trains on rows [d*size/n, (d+1)*size/n). Any DP size then trains on the same
+    global batches, so runs on two layouts are comparable step by step (the loss up to reduction order)."""
+
+    def __init__(self, seed: int, size: int, dp_rank: int, dp_size: int):
+        if size % dp_size:
+            raise SystemExit(f"--global-batch {size} is not divisible by the {dp_size} data-parallel ranks")
+        self.seed, self.position = seed, 0
+        self.rows = slice(dp_rank * size // dp_size, (dp_rank + 1) * size // dp_size)
+        self.size = size
+
+    def next(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
+        self.position += 1
+        start = torch.randint(0, VOCAB, (self.size, 1), generator=g)
+        stride = torch.randint(1, 4, (self.size, 1), generator=g)
+        seq = ((start + stride * torch.arange(SEQ + 1)) % VOCAB)[self.rows]
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
 def state_digest(engine) -> str:
     """A hash of every tensor this rank holds in the module and the optimizer, plus the counters."""
     h = hashlib.sha256()
@@ -100,17 +121,21 @@ def state_digest(engine) -> str:
     return h.hexdigest()
 
 
-def full_state(engine) -> dict:
+def full_state(engine, zero3_weights: bool = False) -> dict:
     """Every global tensor of the model and its optimizer, keyed as inmem_ft's shard map keys them, gathered
-    the way DeepSpeed itself does (collective under ZeRO-3): the ground truth a shard-map reader must rebuild."""
+    the way DeepSpeed itself does (collective under ZeRO-3): the ground truth a shard-map reader must rebuild.
+    A ZeRO-3 snapshot holds no module weights (they are its fp32 masters, rounded): `zero3_weights` gathers
+    them too."""
+    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     opt, out = engine.optimizer, {}
     stage = engine.zero_optimization_stage()
     lp_groups = getattr(opt, "fp16_groups", None)  # ZeRO-0 bf16: fp32 copies stand beside these
     for name, p in engine.module.named_parameters():
-        if stage < 3:
-            out[name] = p.detach().clone()
+        if stage < 3 or zero3_weights:
+            with deepspeed.zero.GatheredParameters([p], enabled=stage == 3):
+                out[name] = p.detach().clone()
         fp32 = safe_get_full_fp32_param(p)
         if fp32 is not None:
             out[f"optimizer.state.fp32_param.{name}"] = fp32.detach().clone()
@@ -128,9 +153,24 @@ def full_state(engine) -> dict:
     return out
 
 
-def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_every=None) -> dict:
+def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: bool) -> None:
+    """full_state (collective) to `path` and the counters a resume must carry to `path`.json, from rank 0."""
+    full = full_state(engine, zero3_weights)
+    steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
+    counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                "skipped_steps": engine.skipped_steps, "optimizer_steps": steps, "lr": engine.get_lr(),
+                "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+                "position": stream.position, "restored": restored.tier if restored else None}
+    if rank == 0:
+        torch.save(full, path)
+        with open(f"{path}.json", "w") as f:
+            json.dump(counters, f)
+
+
+def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_every=None,
+              micro_batch: int = MICRO_BATCH) -> dict:
     conf = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
@@ -156,6 +196,10 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="train every DP layout on the same global batches of this many sequences (GlobalBatches)")
+    p.add_argument("--reshard", default=None, choices=["auto", "never"], help="the inmem_ft block's reshard")
     p.add_argument("--persist-dir", default=None)
     p.add_argument("--persist-every", type=int, default=None)
     p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
@@ -163,7 +207,11 @@ def main() -> None:
     p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
                                                       "PATH.rank<r>")
     p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every global parameter and "
-                                                     "optimizer moment (torch.save) to PATH")
+                                                     "optimizer moment (torch.save) to PATH, and the counters "
+                                                     "(steps, scheduler, data position) to PATH.json")
+    p.add_argument("--dump-step", type=int, default=None, help="with --dump-full: after this step (or right after "
+                                                               "the restore of it) instead of at the end")
+    p.add_argument("--dump-weights", action="store_true", help="with --dump-full: ZeRO-3's module weights too")
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
@@ -185,16 +233,21 @@ def main() -> None:
             config = json.load(f)
         config.setdefault("inmem_ft", {})["interval"] = args.interval
     else:
-        config = ds_config(args.zero_stage, args.dtype, args.interval, args.persist_dir, args.persist_every)
+        world = deepspeed.comm.get_world_size()
+        micro = args.global_batch // world if args.global_batch else MICRO_BATCH
+        config = ds_config(args.zero_stage, args.dtype, args.interval, args.persist_dir, args.persist_every, micro)
+    if args.reshard:
+        config["inmem_ft"]["reshard"] = args.reshard
     if args.no_inmem:
         config.pop("inmem_ft", None)
 
     torch.manual_seed(0)
-    model = GPT(args.layers, args.hidden)
+    model = GPT(args.layers, args.hidden, dropout=args.dropout)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     seed = 1234 + 17 * rank  # per-rank dropout masks and noise
     random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
-    stream = TokenStream(1234, rank)
+    stream = GlobalBatches(1234, args.global_batch, rank, deepspeed.comm.get_world_size()) if args.global_batch \
+        else TokenStream(1234, rank)
 
     # The one inmem_ft line: snapshots every `interval` steps, restore of the newest tier on start.
     handle = install(engine, extra_state=lambda: {"position": stream.position})
@@ -210,6 +263,9 @@ def main() -> None:
     if args.dump_state:
         with open(f"{args.dump_state}.rank{rank}", "w") as f:
             f.write(json.dumps({"step": start, "digest": state_digest(engine)}))
+    restored = handle.restored if handle is not None else None
+    if args.dump_full and args.dump_step == start:
+        dump_full(engine, stream, args.dump_full, rank, restored, args.dump_weights)
     for step in range(start + 1, args.steps + 1):
         x, y = stream.next()
         loss = engine(x, y)
@@ -218,16 +274,16 @@ def main() -> None:
         mean = loss.detach().float().clone()
         deepspeed.comm.all_reduce(mean)
         inmem_ft.report_loss(step, mean.item() / deepspeed.comm.get_world_size(), args.loss_log)
+        if args.dump_full and args.dump_step == step:
+            dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
         if step == args.die_at and rank == args.die_rank:
             if handle is not None:
                 handle.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
     if handle is not None:
         handle.close()
-    if args.dump_full:
-        full = full_state(engine)
-        if rank == 0:
-            torch.save(full, args.dump_full)
+    if args.dump_full and args.dump_step is None:
+        dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
     deepspeed.comm.destroy_process_group()
 
 

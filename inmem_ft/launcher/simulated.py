@@ -59,6 +59,13 @@ class SimulatedCluster:
         self.peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
         self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
 
+    def reshape(self, nodes: int, ranks_per_node: int) -> None:
+        """Later launches run `ranks_per_node` ranks on each of the first `nodes` nodes: the job back on
+        another layout, with the SMPs (and snapshots) it had."""
+        if not 1 <= nodes <= self.nodes:
+            raise ValueError(f"a cluster of {self.nodes} nodes cannot launch on {nodes}")
+        self.ranks_per_node, self.world_size = ranks_per_node, nodes * ranks_per_node
+
     def node_of(self, rank: int) -> int:
         return self.placement[rank] if self.placement else rank // self.ranks_per_node
 

@@ -14,8 +14,11 @@ from .shardspec import ShardSpec
 from .tree import Sharded
 
 
+OPTIMIZER_STATE = "optimizer.state."
+
+
 def optimizer_key(kind: str, name: str) -> str:
-    return f"optimizer.state.{kind}.{name}"
+    return f"{OPTIMIZER_STATE}{kind}.{name}"
 
 
 def whole(key: str, tensor: torch.Tensor, *, main: bool = True, replica: tuple[int, ...] = ()) -> Sharded:

@@ -43,40 +43,53 @@ SCHEMA = pa.schema([
 
 def complete_step(entries: list[dict], step: int | None = None) -> int:
     """`step` if every rank of the job holds it (in memory or parity), else the newest such step; raises
-    StepIncomplete saying which ranks each step lacks."""
-    worlds = {e["manifest"]["world_size"] for e in entries}
-    if len(worlds) > 1:
-        raise StepIncomplete(f"the slots disagree on the world size ({sorted(worlds)}): snapshots of two jobs "
-                             f"under one job id; clean the stale ones (inmem-ft smp stop --wipe on their nodes)")
+    StepIncomplete saying which ranks each step lacks. Each step is judged against its own world size: a job
+    that came back on another layout holds steps of both until the old ones are overwritten."""
     if not entries:
         raise StepIncomplete("no node holds any committed snapshot of this job")
-    world = worlds.pop()
     held: dict[int, set] = {}
+    worlds: dict[int, set] = {}
     for e in entries:
         held.setdefault(e["step"], set()).add(e["rank"])
-    missing = {s: sorted(set(range(world)) - ranks) for s, ranks in held.items()}
+        worlds.setdefault(e["step"], set()).add(e["manifest"]["world_size"])
+    mixed = {s: sorted(w) for s, w in worlds.items() if len(w) > 1}
+    if mixed:
+        s = max(mixed)
+        raise StepIncomplete(f"the slots of step {s} disagree on the world size ({mixed[s]}): snapshots of two jobs "
+                             f"under one job id; clean the stale ones (inmem-ft smp stop --wipe on their nodes)")
+    missing = {s: sorted(set(range(worlds[s].pop())) - ranks) for s, ranks in held.items()}
     if step is not None:
-        if missing.get(step, list(range(world))):
-            lack = _short(missing.get(step, range(world)))
-            raise StepIncomplete(f"step {step} is not held for every rank: ranks {lack} of {world} have no slot of "
-                                 f"it on any reachable node (held: {_describe(missing)})")
+        if step not in missing:
+            raise StepIncomplete(f"step {step} is not held for every rank: no rank has a slot of it on any reachable "
+                                 f"node (held: {_describe(missing)})")
+        if missing[step]:
+            raise StepIncomplete(f"step {step} is not held for every rank: ranks {_short(missing[step])} of "
+                                 f"{len(missing[step]) + len(held[step])} have no slot of it on any reachable node "
+                                 f"(held: {_describe(missing)})")
         return step
     done = [s for s, lack in missing.items() if not lack]
     if not done:
-        raise StepIncomplete(f"no step is held for all {world} ranks on the reachable nodes: {_describe(missing)}")
+        raise StepIncomplete(f"no step is held for all its ranks on the reachable nodes: {_describe(missing)}")
     return max(done)
 
 
-def fragments(entries: list[dict], step: int) -> pa.Table:
+def fragments(entries: list[dict], step: int, prefer_node: int | None = None) -> pa.Table:
     """The rows of `step` (see the module docstring), from the listings of every node. When a rank's slot is
-    listed twice (a moved rank's old and new node, or memory and parity), the memory copy is used."""
+    listed twice (a moved rank's old and new node, or memory and parity), the memory copy is used, the one
+    on `prefer_node` (the reader's own node) first."""
     chosen: dict[int, dict] = {}
-    for e in sorted((e for e in entries if e["step"] == step), key=lambda e: (e["source"] != "memory", e["node"])):
+    for e in sorted(select(entries, step, prefer_node), key=lambda e: e["rank"]):
         chosen.setdefault(e["rank"], e)
     rows = []
     for rank in sorted(chosen):
         rows += _slot_rows(chosen[rank])
     return pa.Table.from_pylist(rows, schema=SCHEMA)
+
+
+def select(entries: list[dict], step: int, prefer_node: int | None = None) -> list[dict]:
+    """The listed slots of `step`, best copy first per rank (see fragments)."""
+    return sorted((e for e in entries if e["step"] == step),
+                  key=lambda e: (e["source"] != "memory", e["node"] != prefer_node, e["node"]))
 
 
 def _slot_rows(entry: dict) -> list[dict]:
@@ -165,7 +178,7 @@ def byte_runs(cols: dict, i: int) -> tuple[np.ndarray, np.ndarray]:
     gs, off, shape = cols["global_shape"][i], cols["offset"][i], cols["shape"][i]
     flo, fhi = cols["flat_lo"][i], cols["flat_hi"][i]
     itemsize = cols["itemsize"][i]
-    starts, lens = _element_runs(gs, off, shape, flo, fhi)
+    starts, lens = element_runs(gs, off, shape, flo, fhi)
     bstarts, blens = starts * itemsize, lens * itemsize
     # This row holds fragment bytes [p, q): cut the fragment's runs (laid end to end) to that window.
     p = cols["frag_byte_lo"][i]
@@ -176,7 +189,7 @@ def byte_runs(cols: dict, i: int) -> tuple[np.ndarray, np.ndarray]:
     return bstarts[keep] + (lo - first)[keep], bstarts[keep] + (hi - first)[keep]
 
 
-def _element_runs(gs, off, shape, flo: int, fhi: int) -> tuple[np.ndarray, np.ndarray]:
+def element_runs(gs, off, shape, flo: int, fhi: int) -> tuple[np.ndarray, np.ndarray]:
     """Contiguous runs (global element start, length) of elements [flo, fhi) of a box, in box order."""
     nd = len(gs)
     if fhi <= flo:

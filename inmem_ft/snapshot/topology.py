@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 _SIZES = ("tp", "pp", "dp", "ep", "vpp")
+# What makes two snapshots' layouts the same: a rank can load a snapshot of its own layout as it is; any
+# other needs resharding.
+_LAYOUT = ("framework", "world_size", *_SIZES, "zero_stage")
 
 
 @dataclass
@@ -51,8 +54,18 @@ class Topology:
         return cls(**d)
 
     def layout(self) -> str:
-        """A short readable layout, for log lines: tp2.pp1.dp4."""
-        return ".".join(f"{n}{getattr(self, n)}" for n in ("tp", "pp", "dp") + (("ep",) if self.ep > 1 else ()))
+        """A short readable layout, for log lines: tp2.pp1.dp4 (with .zero1 for DeepSpeed ZeRO)."""
+        parts = [f"{n}{getattr(self, n)}" for n in ("tp", "pp", "dp") + (("ep",) if self.ep > 1 else ())]
+        return ".".join(parts + ([f"zero{self.zero_stage}"] if self.zero_stage is not None else []))
+
+    def layout_key(self) -> tuple:
+        return tuple(getattr(self, n) for n in _LAYOUT)
+
+
+def layout_key(topology: dict) -> tuple:
+    """Topology.layout_key of a manifest's topology record (JSON), without building one."""
+    defaults = Topology()
+    return tuple(topology.get(n, getattr(defaults, n)) for n in _LAYOUT)
 
 
 _SCALARS = (int, float, str, bool, type(None))

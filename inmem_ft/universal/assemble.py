@@ -1,12 +1,15 @@
-"""One global tensor from the `main` fragments the catalog lists, wherever their bytes live.
+"""Global tensors, or any piece of one, from the `main` fragments the catalog lists, wherever their bytes live.
 
-Reads go through a `read(node, rank, step, offset, length) -> uint8 array` callable (the local SMP's
-`SMPClient.read`, which reaches other nodes and decodes a lost node's bytes from parity), one fragment piece
-at a time, so memory stays at the tensor being built plus one piece.
+Reads go through a `read(node, rank, step, offset, length, into=None) -> uint8 array` callable (the local
+SMP's `SMPClient.read`, which reaches other nodes and decodes a lost node's bytes from parity). A piece is a box of
+the global tensor (optionally only a row-major range of it, as a ZeRO partition or a bucket slice is): only
+the fragment bytes that overlap it are read, in windows of at most WINDOW bytes, so memory stays at the
+piece being built plus one window.
 """
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
@@ -14,8 +17,10 @@ import pyarrow.compute as pc
 import torch
 
 from ..errors import CatalogHole
-from ..snapshot.catalog import byte_runs, coverage
+from ..snapshot.catalog import byte_runs, coverage, element_runs
 from ..snapshot.tree import dtype_from_name
+
+WINDOW = 64 << 20
 
 
 def keys(table: pa.Table) -> list[str]:
@@ -30,19 +35,136 @@ def read_global(table: pa.Table, key: str, read) -> torch.Tensor:
         raise CatalogHole(f"global tensor {key!r} is not in the catalog")
     if info[0]["hole"]:
         raise CatalogHole(f"global tensor {key!r}: {info[0]['hole']}")
-    cols = rows.to_pydict()
-    shape, dtype = tuple(info[0]["global_shape"]), dtype_from_name(info[0]["dtype"])
-    out = torch.empty(shape, dtype=dtype)
-    flat = out.view(-1).view(torch.uint8).numpy() if math.prod(shape) else np.zeros(0, np.uint8)
-    for i, main in enumerate(cols["main"]):
-        if not main:
-            continue
-        data = read(cols["node"][i], cols["rank"][i], cols["step"][i], cols["slot_offset"][i], cols["nbytes"][i])
-        if isinstance(data, tuple):
-            data = data[0]  # SMPClient.read also says where the bytes came from
-        starts, ends = byte_runs(cols, i)
-        pos = 0
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            flat[a:b] = data[pos: pos + b - a]
-            pos += b - a
-    return out
+    return Fragments(rows).tensor(key, read)
+
+
+class Fragments:
+    """The main fragments of a catalog table (catalog.check'ed: they cover each global tensor exactly once),
+    indexed by key, and reads of any piece of a global tensor through them."""
+
+    def __init__(self, table: pa.Table):
+        self.cols = table.to_pydict()
+        self.by_key: dict[str, list[int]] = {}
+        for i, (key, main) in enumerate(zip(self.cols["key"], self.cols["main"])):
+            if main:
+                self.by_key.setdefault(key, []).append(i)
+        self._runs: dict[int, tuple] = {}
+        self.bytes_read: Counter = Counter()  # by where the bytes came from: memory | parity
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.by_key
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.cols["global_shape"][self._rows(key)[0]])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return dtype_from_name(self.cols["dtype"][self._rows(key)[0]])
+
+    def tensor(self, key: str, read) -> torch.Tensor:
+        return self.piece(key, read).view(self.shape(key))
+
+    def piece(self, key: str, read, offset=None, shape=None, flat=None, out: torch.Tensor | None = None):
+        """Elements of `key` inside the box `offset` + `shape` (default: the whole tensor), only its row-major
+        range `flat` = (lo, hi) if given, as a 1-D tensor (into `out` when given)."""
+        gs = self.shape(key)
+        shape = tuple(shape) if shape is not None else gs
+        lo, hi = flat if flat is not None else (0, math.prod(shape))
+        dtype = self.dtype(key)
+        if out is None:
+            out = torch.empty(hi - lo, dtype=dtype)
+        if out.dtype != dtype or out.numel() != hi - lo:
+            raise ValueError(f"{key}: `out` holds {out.numel()} {out.dtype}, the piece is {hi - lo} {dtype}")
+        if hi > lo:
+            self._fill(key, read, offset, shape, (lo, hi), out.view(-1).view(torch.uint8).numpy())
+        return out
+
+    def raw(self, key: str, read) -> np.ndarray:
+        """The bytes of the whole global tensor `key`, whatever its dtype (numpy leaves name numpy dtypes)."""
+        rows = self._rows(key)
+        out = np.empty(math.prod(self.shape(key)) * self.cols["itemsize"][rows[0]], dtype=np.uint8)
+        if out.nbytes:
+            self._fill(key, read, None, self.shape(key), (0, math.prod(self.shape(key))), out)
+        return out
+
+    def _fill(self, key: str, read, offset, shape, flat, dst: np.ndarray) -> None:
+        rows = self._rows(key)
+        cols = self.cols
+        gs = self.shape(key)
+        offset = tuple(offset) if offset is not None else (0,) * len(gs)
+        lo, hi = flat
+        itemsize = cols["itemsize"][rows[0]]
+        starts, lens = element_runs(gs, offset, shape, lo, hi)
+        t_lo, t_hi = starts * itemsize, (starts + lens) * itemsize
+        t_pos = np.concatenate(([0], np.cumsum(t_hi - t_lo)[:-1]))
+        filled = 0
+        for i in rows:
+            r_lo, r_hi = self._byte_runs(i)
+            if not len(r_lo):
+                continue
+            r_pos = np.concatenate(([0], np.cumsum(r_hi - r_lo)[:-1]))
+            a, b, s, e = _overlaps(r_lo, r_hi, t_lo, t_hi)
+            if not len(s):
+                continue
+            src, dst_pos, n = r_pos[a] + s - r_lo[a], t_pos[b] + s - t_lo[b], e - s
+            filled += int(n.sum())
+            self._copy(i, read, src, dst_pos, n, dst)
+        if filled != dst.nbytes:
+            raise CatalogHole(f"global tensor {key!r}: the main fragments hold {filled} of the {dst.nbytes} bytes of "
+                              f"box {offset}+{tuple(shape)} range [{lo}, {hi}); a loader cannot assemble it from this "
+                              f"step")
+
+    def _rows(self, key: str) -> list[int]:
+        rows = self.by_key.get(key)
+        if not rows:
+            raise CatalogHole(f"global tensor {key!r} is not in the catalog")
+        return rows
+
+    def _byte_runs(self, i: int):
+        if i not in self._runs:
+            self._runs[i] = byte_runs(self.cols, i)
+        return self._runs[i]
+
+    def _copy(self, i: int, read, src, dst_pos, n, dst: np.ndarray) -> None:
+        """Bytes [src, src+n) of row i's slot bytes into dst[dst_pos:]: a lone piece straight into place, nearby
+        small ones through one window of at most WINDOW bytes."""
+        cols = self.cols
+        where = (cols["node"][i], cols["rank"][i], cols["step"][i])
+        base = cols["slot_offset"][i]
+        order = np.argsort(src, kind="stable")
+        src, dst_pos, n = src[order].tolist(), dst_pos[order].tolist(), n[order].tolist()
+        j = 0
+        while j < len(src):
+            k = j + 1
+            while k < len(src) and src[k] + n[k] - src[j] <= WINDOW:
+                k += 1
+            if k == j + 1:
+                self._read(read, where, base + src[j], n[j], dst[dst_pos[j]: dst_pos[j] + n[j]])
+            else:
+                w_lo, w_hi = src[j], max(src[m] + n[m] for m in range(j, k))
+                data = self._read(read, where, base + w_lo, w_hi - w_lo, None)
+                for m in range(j, k):
+                    dst[dst_pos[m]: dst_pos[m] + n[m]] = data[src[m] - w_lo: src[m] - w_lo + n[m]]
+            j = k
+
+    def _read(self, read, where, offset: int, length: int, into):
+        data = read(*where, offset, length, into=into)
+        source = "memory"
+        if isinstance(data, tuple):  # SMPClient.read also says where the bytes came from
+            data, source = data
+        self.bytes_read[source] += length
+        if into is not None and data is not into:
+            into[:] = data
+        return data
+
+
+def _overlaps(a_lo, a_hi, b_lo, b_hi):
+    """(i, j, lo, hi) of every overlap [lo, hi) of interval a[i] with interval b[j]; each list sorted and
+    disjoint (a fragment's byte runs, a piece's byte runs)."""
+    first = np.searchsorted(b_hi, a_lo, side="right")
+    last = np.searchsorted(b_lo, a_hi, side="left")
+    count = np.maximum(last - first, 0)
+    i = np.repeat(np.arange(len(a_lo)), count)
+    j = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(first, count)
+    lo, hi = np.maximum(a_lo[i], b_lo[j]), np.minimum(a_hi[i], b_hi[j])
+    keep = lo < hi
+    return i[keep], j[keep], lo[keep], hi[keep]

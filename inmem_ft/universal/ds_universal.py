@@ -46,17 +46,10 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]
         raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor or pipeline "
                            f"parallelism; this snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} "
                            f"pp{topo.get('pp')}: export it with --format torch-dcp")
-    from ..integrations.deepspeed import types  # imports deepspeed: only for this format
+    from ..integrations.deepspeed import stock, types  # imports deepspeed: only for this format
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
-    files = src.state(0, "files")
-    model = next((sd for name, sd in files.items() if name.endswith("model_states.pt")), None)
-    optim = next((sd for name, sd in files.items() if name.endswith("optim_states.pt")), None)
-    if model is None or optim is None:
-        raise InmemFTError(f"rank 0's snapshot of step {src.step} lacks DeepSpeed's model or optimizer states "
-                           f"(files: {sorted(files)})")
-    osd = optim["optimizer_state_dict"]
-    inner = osd.get("base_optimizer_state") or osd["optimizer_state_dict"]  # ZeRO-1/2, ZeRO-3
+    model, osd, inner = stock.model_and_optimizer(src.state(0, "files"), f"rank 0's snapshot of step {src.step}")
     shapes = model["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
     missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]

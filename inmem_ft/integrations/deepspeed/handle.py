@@ -13,28 +13,35 @@ from typing import Any, Callable
 import torch
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
+from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
-from ...errors import ConfigError
+from ...errors import ConfigError, LayoutChanged, LayoutMismatch
 from ...persist.tier import DiskTier
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
-from . import shards, stock, support, types
+from ...universal.reshard import agreed, open_memory
+from . import reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
+MEMORY_RESHARDED = "memory resharded"
 
 
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk"
+    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk" | "memory resharded" |
+    # "disk resharded"
     seconds: float
-    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank
+    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
+    # inmem_ft/universal/reshard.py for which old rank's)
     tag: str
     phases: dict = field(default_factory=dict)
     """Seconds per phase of the restore (memory: list, agree, copy_verify, replicated, unpack; engine)."""
+    resharded: dict | None = None
+    """From another layout: {from, to, bytes_memory, bytes_parity} (layouts as Topology.layout())."""
 
 
 class Handle:
@@ -142,12 +149,17 @@ class Handle:
         if self.zero_stage in (1, 2):
             for group, shapes in zip(groups, shards.files_param_shapes(files)):
                 group["keys"] = list(shapes)
+        topology = self._layout()
+        topology.position = {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples)}
+        topology.optimizer = {"type": type(engine.basic_optimizer).__name__, "param_groups": groups}
+        return topology
+
+    def _layout(self) -> Topology:
+        import deepspeed
+
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
-                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(engine.mp_world_size),
-                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage,
-                        position={"global_steps": int(engine.global_steps),
-                                  "global_samples": int(engine.global_samples)},
-                        optimizer={"type": type(engine.basic_optimizer).__name__, "param_groups": groups})
+                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(self.engine.mp_world_size),
+                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage)
 
     def snapshot(self) -> None:
         """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
@@ -169,8 +181,9 @@ class Handle:
         if not self.block.persist:
             return -1
         step = stock.step_of(self.snap.disk.latest())
-        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step),
-                                                                     self.rank)):
+        # Rank 0's state, not this rank's: a job back on more ranks reshards the step (`latest` is written only
+        # once every rank of it wrote its files).
+        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step), 0)):
             step = -1
         low, high = self.snap.agree_min(step), -self.snap.agree_min(-step)
         if low != high:
@@ -182,7 +195,15 @@ class Handle:
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
         t0 = time.perf_counter()
-        state = self.snap.restore(views=True)  # the engine copies what it keeps (_load_memory)
+        try:
+            # views: the engine copies what it keeps (_load_memory)
+            state = self.snap.restore(layout=self._layout(), views=True)
+        except LayoutChanged:
+            if self.block.reshard == "never":
+                raise
+            config = self.snap.config
+            return self._finish(self._load_resharded(MEMORY_RESHARDED, lambda: open_memory(
+                config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
         mem_step = state["step"] if state is not None else -1
         disk_step = self._disk_step()
         if mem_step >= 0 and mem_step >= disk_step:
@@ -194,9 +215,11 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.rank, restored.step,
-                 restored.tier.replace(" ", "_"), restored.seconds,
-                 " ".join(f"{k}_s={v:.3f}" for k, v in restored.phases.items()))
+        layouts = f"from={restored.resharded['from']} to={restored.resharded['to']} " if restored.resharded else ""
+        log.info("restore rank=%d step=%d source=%s %sseconds=%.3f %s", self.rank, restored.step,
+                 restored.tier.replace(" ", "_"), layouts, restored.seconds,
+                 " ".join([f"{k}_s={v:.3f}" for k, v in restored.phases.items()] +
+                          [f"{k}={v}" for k, v in (restored.resharded or {}).items() if k.startswith("bytes")]))
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
@@ -228,8 +251,31 @@ class Handle:
         extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
+    def _load_resharded(self, tier: str, open_source) -> Restored:
+        """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
+        t0 = time.perf_counter()
+        reshard.check_target(self.engine)
+        rs = open_source()
+        try:
+            got = reshard.load(self.engine, rs)
+        finally:
+            rs.close()
+        phases = {**rs.seconds, **got["seconds"]}
+        if tier == MEMORY_RESHARDED:  # the SMPs keep that step until a newer one is complete (a disk load: nothing)
+            self.snap.resumed(RestoreInfo(rs.step, tier, time.perf_counter() - t0, sum(rs.bytes_read.values()),
+                                          None, phases))
+        return Restored(rs.step, tier, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
+
     def _load_disk(self, step: int) -> Restored:
         tag = stock.tag_of(step)
+        old, new = reshard.disk_layout(self.block.persist_dir, tag), self._layout()
+        if old.layout_key() != new.layout_key():
+            if self.block.reshard == "never":
+                raise LayoutMismatch(f"{self.block.persist_dir}/{tag} was written with {old.layout()}, this job runs "
+                                     f"with {new.layout()}: restart with the original layout, or let inmem_ft "
+                                     f"reshard it (\"reshard\": \"auto\" in the inmem_ft block)")
+            return self._load_resharded("disk resharded", lambda: agreed(
+                self.snap.agree_min, lambda: reshard.open_disk(self.block.persist_dir, step, new)))
         path, _ = self._load(self.block.persist_dir, tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load {tag} from {self.block.persist_dir}")

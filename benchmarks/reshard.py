@@ -1,0 +1,307 @@
+"""Resume on another layout: inmem_ft's reshard from memory vs DeepSpeed's stock route, side by side.
+
+    python benchmarks/reshard.py --quick --json out/reshard.json --plot out/reshard.png
+
+A job trains with ZeRO-1 on 2 ranks (gloo, CPU, DS_ACCELERATOR=cpu) and comes back on 1 rank with ZeRO-2,
+then with ZeRO-3, on the same state (an MLP of `--layers` x (hidden x 2*hidden + 2*hidden x hidden), AdamW):
+  inmem_reshard_s     install() in a fresh engine of the new layout: agree, open the catalog, read this rank's
+                      pieces from the SMP's memory and put them into the engine (`restore ... source=
+                      memory_resharded`); the snapshot itself was taken during training (its stall is
+                      benchmarks/deepspeed_save.py's subject)
+  stock_save_s        engine.save_checkpoint(local_dir) on the old layout (DeepSpeed's default engine)
+  ds_to_universal_s   python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state (a process, as
+                      users run it)
+  stock_load_s        engine.load_checkpoint with "checkpoint": {"load_universal": true} on the new layout
+  stock_route_s       the three above; ratio = inmem_reshard_s / stock_route_s (goal <= 0.1)
+Each new layout's state is digested (every fp32 master and Adam moment, gathered by DeepSpeed): `identical`
+says whether ours equals the stock route's. A stock step that fails is reported with its error, as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import report  # benchmarks/report.py (the script's own folder is on sys.path)
+from deepspeed_save import setup_worker, slowest  # the same gloo/CPU worker setup and slowest-rank figure
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_STAGE, TARGET_STAGES = 1, (2, 3)
+MICRO_BATCH = 4
+TAG = "source"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker side (one rank process)
+# ---------------------------------------------------------------------------------------------------------
+
+def ds_config(stage: int, inmem: bool, universal: bool = False) -> dict:
+    conf = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+            # torch_adam: DeepSpeed's FusedAdam would JIT-compile a C++ op on CPU.
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+    if inmem:
+        conf["inmem_ft"] = {"enabled": True, "interval": 10**9}
+    if universal:
+        conf["checkpoint"] = {"load_universal": True}
+    return conf
+
+
+def build_engine(args, stage: int, inmem: bool, universal: bool = False):
+    import torch
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(args.hidden, 2 * args.hidden),
+                                                      torch.nn.Linear(2 * args.hidden, args.hidden))
+                                  for _ in range(args.layers)])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(stage, inmem, universal))
+    return engine
+
+
+def train(engine, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(args.steps):
+        x = torch.randn(MICRO_BATCH, args.hidden, generator=g)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def digest(engine) -> str:
+    """sha256 of every fp32 master and Adam moment, gathered the way DeepSpeed does (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    h = hashlib.sha256()
+    for name, p in engine.module.named_parameters():
+        h.update(name.encode())
+        for t in (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                  safe_get_full_optimizer_state(p, "exp_avg_sq")):
+            h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def phase_stock_source(args) -> dict:
+    import torch.distributed as dist
+    engine = build_engine(args, SOURCE_STAGE, inmem=False)
+    train(engine, args)
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.save_checkpoint(args.disk_dir, tag=TAG)
+    out = {"stock_save_s": slowest(time.perf_counter() - t0),
+           "params": sum(p.numel() for p in engine.module.parameters())}
+    if dist.get_rank() == 0:
+        out["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(d, f))
+                                      for d, _, fs in os.walk(os.path.join(args.disk_dir, TAG)) for f in fs)
+    return out
+
+
+def phase_inmem_source(args) -> dict:
+    from inmem_ft.integrations.deepspeed import install
+    engine = build_engine(args, SOURCE_STAGE, inmem=True)
+    handle = install(engine)
+    train(engine, args)
+    handle.snapshot()  # what an `interval` of the job's steps would have taken
+    handle.close()
+    return {"snapshot_step": engine.global_steps}
+
+
+def phase_stock_load(args) -> dict:
+    engine = build_engine(args, args.stage, inmem=False, universal=True)
+    t0 = time.perf_counter()
+    try:
+        path, _ = engine.load_checkpoint(args.disk_dir, tag=f"{TAG}_universal")
+        assert path is not None, "load_checkpoint loaded nothing"
+    except Exception as e:  # MEGATRON.md: stock ZeRO-3 fails on ds_to_universal's output here
+        traceback.print_exc()
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return {"stock_load_error": f"{type(e).__name__} at {os.path.basename(where.filename)}:{where.lineno} "
+                                    f"({where.line}): {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    return {"stock_load_s": slowest(time.perf_counter() - t0), "stock_digest": digest(engine),
+            "stock_step": engine.global_steps}
+
+
+def phase_inmem_load(args) -> dict:
+    from inmem_ft.integrations.deepspeed import install
+    engine = build_engine(args, args.stage, inmem=True)
+    t0 = time.perf_counter()
+    handle = install(engine)
+    wall = time.perf_counter() - t0
+    restored = handle.restored
+    out = {"inmem_reshard_s": slowest(wall), "inmem_tier": restored.tier if restored else None,
+           "inmem_restore_reported_s": slowest(restored.seconds if restored else None),
+           "inmem_phases": restored.phases if restored else {}, "inmem_bytes": (restored.resharded or {})
+           if restored else {}, "inmem_digest": digest(engine), "inmem_step": engine.global_steps}
+    handle.close()
+    return out
+
+
+def worker(args) -> None:
+    setup_worker()
+    import torch.distributed as dist
+    phases = {"stock_source": phase_stock_source, "inmem_source": phase_inmem_source,
+              "stock_load": phase_stock_load, "inmem_load": phase_inmem_load}
+    res = phases[args.phase](args)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(res, f)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+
+def convert(disk_dir: str, env: dict) -> dict:
+    """ds_to_universal as users run it: a process of its own."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           os.path.join(disk_dir, TAG), "--output_folder", os.path.join(disk_dir, f"{TAG}_universal"),
+           "--inject_missing_state"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    if proc.returncode:
+        return {"ds_to_universal_error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:400]}
+    return {"ds_to_universal_s": seconds}
+
+
+def print_table(results: dict) -> None:
+    print(f"{results['params'] / 1e6:.1f}M params fp32 + AdamW; ZeRO-{SOURCE_STAGE} on 2 ranks -> 1 rank (gloo, CPU)"
+          + (" [--quick]" if results["quick"] else ""))
+    print(f"  stock save_checkpoint (old layout)        {results['stock_save_s']:.3f} s")
+    conv = results.get("ds_to_universal_s")
+    print(f"  ds_to_universal                           "
+          + (f"{conv:.3f} s" if conv is not None else f"failed: {results.get('ds_to_universal_error')}"))
+    print(f"  {'new layout':<12} {'inmem reshard':>14} {'stock load':>12} {'stock route':>12} {'ratio':>8}  "
+          f"identical  restore says")
+    for stage, r in results["targets"].items():
+        load = f"{r['stock_load_s']:.3f} s" if r.get("stock_load_s") is not None else "failed"
+        route = f"{r['stock_route_s']:.3f} s" if r.get("stock_route_s") is not None else "-"
+        ratio = f"{r['ratio']:.3f}" if r.get("ratio") is not None else "-"
+        print(f"  {'ZeRO-' + stage + ' DP1':<12} {r['inmem_reshard_s']:>12.3f} s {load:>12} {route:>12} {ratio:>8}  "
+              f"{str(r.get('identical', '-')):<9}  {r.get('inmem_tier')}")
+        if r.get("stock_load_error"):
+            print(f"    stock load on ZeRO-{stage} failed: {r['stock_load_error']}")
+        print(f"    inmem: install() {r['inmem_reshard_s']:.3f} s, of which the restore it logs "
+              f"{r['inmem_restore_reported_s']:.3f} s: " + ", ".join(f"{k} {v:.3f} s" for k, v in
+                                                                  r.get("inmem_phases", {}).items())
+              + f"; {r.get('inmem_bytes', {})}")
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(results["targets"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, stage in enumerate(stages):
+        r = results["targets"][stage]
+        ax.bar(i - 0.2, r["inmem_reshard_s"], 0.35, color="#2a7",
+               label="inmem_ft reshard from memory" if i == 0 else None)
+        parts = [("stock_save_s", "#c55", "stock save_checkpoint"), ("ds_to_universal_s", "#e93", "ds_to_universal"),
+                 ("stock_load_s", "#59c", "load_universal")]
+        bottom = 0.0
+        for key, color, label in parts:
+            v = r.get(key) if key == "stock_load_s" else results.get(key)
+            if v is None:
+                continue
+            ax.bar(i + 0.2, v, 0.35, bottom=bottom, color=color, label=label if i == 0 else None)
+            bottom += v
+        note = f"x{r['ratio']:.3f}" if r.get("ratio") is not None else "stock load failed"
+        ax.text(i + 0.2, bottom, note, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(stages)), [f"ZeRO-{SOURCE_STAGE} DP2 -> ZeRO-{s} DP1" for s in stages])
+    ax.set_ylabel("seconds")
+    ax.set_title(f"Resume on another layout, {results['params'] / 1e6:.0f}M params + AdamW, CPU")
+    ax.legend(fontsize=8, loc="center")  # between the two groups of bars
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a 16.8M-parameter model (hidden 1024, 4 layers)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="draw a PNG here")
+    p.add_argument("--hidden", type=int, default=None, help="default 2048 (1024 with --quick)")
+    p.add_argument("--layers", type=int, default=None, help="default 6: 100.7M parameters (4 with --quick)")
+    p.add_argument("--steps", type=int, default=3, help="training steps before the snapshot / save")
+    p.add_argument("--disk-dir", default=None, help="where the stock route writes (default: a temp dir)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from inmem_ft.launcher.simulated import SimulatedCluster
+
+    hidden = args.hidden or (1024 if args.quick else 2048)
+    layers = args.layers or (4 if args.quick else 6)
+    results = {"quick": args.quick, "hidden": hidden, "layers": layers, "targets": {}}
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        disk_dir = args.disk_dir or os.path.join(tmp, "disk")
+        os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(tmp, "run"))
+        env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(HERE), "DS_ACCELERATOR": "cpu"}
+        with SimulatedCluster(1, 2, "reshardbench", 8 << 30, os.path.join(tmp, "logs"), env=env) as cluster:
+            def phase(name: str, what: str, stage: int | None = None) -> dict | None:
+                result = os.path.join(tmp, f"{name}{stage or ''}.json")
+                argv = [os.path.abspath(__file__), "--worker", "--phase", name, "--result", result, "--hidden",
+                        str(hidden), "--layers", str(layers), "--steps", str(args.steps), "--disk-dir", disk_dir]
+                argv += ["--stage", str(stage)] if stage else []
+                with report.phase(what):
+                    attempt = cluster.run(argv, timeout_s=3600, poll=report.echo_worker(cluster, name))
+                if not attempt.ok:
+                    print(cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:], file=sys.stderr)
+                    return None
+                with open(result) as f:
+                    return json.load(f)
+
+            got = phase("stock_source", f"ZeRO-{SOURCE_STAGE} on 2 ranks: train, stock save_checkpoint")
+            if got is None:
+                return 1
+            results.update(got)
+            with report.phase("ds_to_universal"):
+                results.update(convert(disk_dir, env))
+            if phase("inmem_source", f"ZeRO-{SOURCE_STAGE} on 2 ranks: train, inmem_ft snapshot") is None:
+                return 1
+            cluster.reshape(1, 1)
+            for stage in TARGET_STAGES:
+                r = {}
+                for name, what in (("stock_load", "stock load_universal"), ("inmem_load", "inmem_ft reshard")):
+                    got = phase(name, f"ZeRO-{stage} on 1 rank: {what}", stage)
+                    if got is None:
+                        return 1
+                    r.update(got)
+                if r.get("stock_load_s") is not None and results.get("ds_to_universal_s") is not None:
+                    r["stock_route_s"] = results["stock_save_s"] + results["ds_to_universal_s"] + r["stock_load_s"]
+                    r["ratio"] = r["inmem_reshard_s"] / r["stock_route_s"]
+                    r["ratio_vs_convert_and_load"] = r["inmem_reshard_s"] / (results["ds_to_universal_s"] +
+                                                                             r["stock_load_s"])
+                    r["identical"] = r.pop("stock_digest") == r["inmem_digest"]
+                results["targets"][str(stage)] = r
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    results["wall_s"] = time.monotonic() - t_start
+    print_table(results)
+    print(f"  total wall time {results['wall_s']:.0f} s")
+    report.write(results, args.json, plot, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Resharding on restore: a job back on another parallel layout builds each rank's state from the snapshots
+its old layout left in memory, read through the job-wide catalog: the local SMP's shared memory first, then
+other nodes, then parity for a lost node (or from a disk checkpoint's files, offered as slots by
+fileslots.FileSlots). Only the pieces a rank holds travel, one at a time.
+
+Framework-free. This module finds the old layout's newest step that every old rank holds (the same one on
+every new rank), reads any piece of any global tensor, and decides what each new rank takes of the old
+ranks' own state. Adapters translate: which pieces their framework's rank holds, and how they go into a
+live engine (integrations/deepspeed/reshard.py).
+
+The rule for per-rank state (RNG streams, an adapter's extras such as a data-loader position): a new rank
+takes the state of the old rank at the same coordinates (tp, pp, dp, ...). A coordinate beyond the old
+layout's size is taken modulo that size: with DP 2 -> 4, new DP ranks 2 and 3 take the state of old DP
+ranks 0 and 1, so their RNG streams repeat those ranks' until the job reseeds (dropout masks, say, match
+theirs). Job-wide state (the step, the data position, the scheduler, optimizer hyperparameters) is old rank
+0's, which every old rank holds alike.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InmemFTError, StepIncomplete
+from ..smp.client import SMPClient
+from ..snapshot import catalog
+from ..snapshot.annotate import OPTIMIZER_STATE
+from ..snapshot.topology import Topology, layout_key
+from .source import MemorySource
+
+NO_STEP = -1
+
+
+@dataclass
+class Resharding:
+    """One new rank's view of the old layout's snapshot: read pieces through `source`."""
+
+    source: MemorySource
+    old: Topology
+    """Old rank 0's layout record (sizes, position, optimizer groups)."""
+    new: Topology
+    per_rank: int
+    """The old rank whose own state (RNG, extras) this rank takes."""
+    seconds: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return self.source.step
+
+    def job_state(self, *path: str):
+        """Old rank 0's state at `path` (see MemorySource.state): what every old rank holds alike."""
+        return self.source.state(0, *path)
+
+    def rank_state(self, *path: str):
+        """The state at `path` of the old rank this rank takes its own state from."""
+        return self.source.state(self.per_rank, *path)
+
+    def optimizer_keys(self) -> dict[str, dict[str, str]]:
+        """Parameter name -> {kind: key} of its optimizer state in the snapshot (fp32_param, exp_avg, ...)."""
+        out: dict[str, dict[str, str]] = {}
+        for key in self.source.fragments.by_key:
+            if key.startswith(OPTIMIZER_STATE):
+                kind, name = key[len(OPTIMIZER_STATE):].split(".", 1)
+                out.setdefault(name, {})[kind] = key
+        return out
+
+    @property
+    def bytes_read(self) -> dict:
+        return dict(self.source.fragments.bytes_read)
+
+    def describe(self) -> dict:
+        """For the restore log line: from/to layouts, and bytes read by where they came from (memory, parity,
+        disk)."""
+        return {"from": self.old.layout(), "to": self.new.layout(),
+                **{f"bytes_{where}": n for where, n in sorted(self.bytes_read.items())}}
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = None) -> Resharding:
+    """Collective over the new job (`agree_min(int) -> the smallest of every rank's`): the old layout's newest
+    step every old rank holds, the same on every new rank. `node`: this rank's node, whose copies it reads
+    first. Raises on every rank when some rank cannot open it."""
+    t0 = time.perf_counter()
+    mine, error = NO_STEP, None
+    try:
+        listing = _listing(socket_path)
+        key, mine = _newest_old(listing, new)
+    except Exception as e:  # every rank must take part in the agreement below, whatever went wrong
+        error = e
+    step = agree_min(mine)
+    if step == NO_STEP:
+        raise error or InmemFTError("another rank of the job could not open the old layout's snapshots (its log "
+                                    "says why); nothing was changed")
+
+    def open_step():
+        return _resharding(MemorySource(socket_path, step, node=node, listing=listing,
+                                        accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key),
+                           new, t0)
+    return agreed(agree_min, open_step)
+
+
+def open_files(slots, new: Topology) -> Resharding:
+    """Over the one step of fileslots.FileSlots (a disk tier's checkpoint)."""
+    return _resharding(MemorySource(slots), new, time.perf_counter())
+
+
+def agreed(agree_min, open_fn) -> Resharding:
+    """open_fn() on every rank of the job; raises on every rank when it failed on one, since nothing collective
+    may follow a failure only some ranks saw."""
+    value, error = None, None
+    try:
+        value = open_fn()
+    except Exception as e:
+        error = e
+    if not agree_min(int(error is None)):
+        if value is not None:
+            value.close()
+        raise error or InmemFTError("another rank of the job could not open the old layout's state (its log says "
+                                    "why); nothing was changed")
+    return value
+
+
+def _resharding(source: MemorySource, new: Topology, t0: float) -> Resharding:
+    try:
+        per_rank = per_rank_source(source, new)
+    except BaseException:
+        source.close()
+        raise
+    return Resharding(source, Topology.from_json(source.topology), new, per_rank,
+                      {"open": round(time.perf_counter() - t0, 4)})
+
+
+def _listing(socket_path: str) -> dict:
+    client = SMPClient(socket_path)
+    try:
+        return client.catalog()
+    finally:
+        client.close()
+
+
+def _newest_old(listing: dict, new: Topology) -> tuple[tuple, int]:
+    """(layout key, step) of the newest step every rank of some other layout holds."""
+    groups: dict[tuple, list] = {}
+    for e in listing["entries"]:
+        key = layout_key(e["manifest"].get("topology", {}))
+        if key != new.layout_key():
+            groups.setdefault(key, []).append(e)
+    best, why = None, []
+    for key, entries in groups.items():
+        try:
+            step = catalog.complete_step(entries)
+        except StepIncomplete as e:
+            why.append(str(e))
+            continue
+        if best is None or step > best[1]:
+            best = (key, step)
+    if best is None:
+        lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
+        raise StepIncomplete(f"no step of another layout is held for all its ranks, so there is nothing to reshard "
+                             f"from ({'; '.join(why) or 'no snapshots of another layout'}"
+                             f"{f'; unreachable: {lost}' if lost else ''}); bring back the nodes that hold them, "
+                             f"or wipe the SMPs (inmem-ft smp stop --wipe) to restore from the disk tier")
+    return best
+
+
+def per_rank_source(source: MemorySource, new: Topology) -> int:
+    """The old rank whose own state a new rank at `new.coords` takes (the module's rule)."""
+    old = Topology.from_json(source.topology)
+    sizes = {"tp": old.tp, "pp": old.pp, "dp": old.dp, "ep": old.ep, "vpp": old.vpp}
+    want = {axis: c % sizes.get(axis, 1) for axis, c in new.coords.items()}
+    for rank in sorted(source.manifests):
+        coords = source.topology_of(rank).get("coords", {})
+        if all(coords.get(axis, 0) == c for axis, c in want.items()):
+            return rank
+    raise InmemFTError(f"no rank of the old layout ({old.layout()}) sits at coordinates {want}, where the new rank "
+                       f"at {new.coords} takes its RNG and extras from: the snapshot's topology records are "
+                       f"inconsistent")
