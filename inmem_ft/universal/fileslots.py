@@ -26,9 +26,10 @@ class FileSlots:
         for rank in sorted(trees):
             flat = flatten(trees[rank])
             plan = layout.plan(flat, step=step, rank=rank, world_size=world, topology=topologies[rank])
-            copies = sorted(((c.dst, c.hi - c.lo, flat.leaves[c.leaf].value, c.lo) for c in plan.copies
-                             if c.hi > c.lo), key=lambda c: c[0])
-            self._slots[rank] = ([c[0] for c in copies], copies)
+            # Where each leaf's bytes sit in the slot: the manifest says it (`o`), whatever copies plan() chose.
+            placed = sorted((entry["o"], entry["n"], flat.leaves[i].value)
+                            for i, entry in enumerate(plan.manifest["leaves"]) if "o" in entry and entry["n"])
+            self._slots[rank] = ([p[0] for p in placed], placed)
             self._entries.append({"node": -1, "rank": rank, "step": step, "segment": None, "data_off": 0,
                                   "data_len": plan.data_len, "manifest_len": 0, "source": SOURCE,
                                   "manifest": plan.manifest})
@@ -39,15 +40,15 @@ class FileSlots:
     def read(self, node: int, rank: int, step: int, offset: int, length: int, into: np.ndarray | None = None):
         """Bytes [offset, offset+length) of `rank`'s slot data, as SMPClient.read returns them."""
         out = np.empty(length, dtype=np.uint8) if into is None else into
-        (starts, copies), end = self._slots[rank], offset + length
+        (starts, placed), end = self._slots[rank], offset + length
         i = max(0, bisect.bisect_right(starts, offset) - 1)
         filled = 0
-        for dst, n, value, lo in copies[i:]:
+        for dst, n, value in placed[i:]:
             if dst >= end:
                 break
             a, b = max(dst, offset), min(dst + n, end)
             if a < b:
-                out[a - offset: b - offset] = _bytes(value)[lo + a - dst: lo + b - dst]
+                out[a - offset: b - offset] = _bytes(value)[a - dst: b - dst]
                 filled += b - a
         if filled != length:
             raise InmemFTError(f"{self.where}: rank {rank}'s bytes [{offset}, {end}) are not all in its files")
