@@ -14,12 +14,13 @@ rank; the default, `StockCheckpoint`, is DeepSpeed's own save_checkpoint/load_ch
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from inmem_ft.launcher.simulated import free_port
 
 IN_DIM, HIDDEN, OUT_DIM = 16, 48, 8
 MICRO_BATCH = 4
@@ -52,12 +53,6 @@ class RunResult:
 # ----------------------------------------------------------------------------------------------
 # Launcher side (the test process). Imports neither torch nor deepspeed, so it stays light.
 # ----------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(cfg: HarnessConfig, out_dir, *, ckpt_dir=None, save_at=(), resume=False, forget=(),
         kill_rank=None, kill_step=None, backend=STOCK_BACKEND, timeout_s=180.0,

@@ -3,11 +3,9 @@ with NODE_RANK 0 and 1) of the plain PyTorch example; both scripts checked by ba
 (tests/test_slurm.py runs the sbatch script on a real SLURM)."""
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -17,6 +15,7 @@ import uuid
 import pytest
 
 from conftest import ROOT
+from inmem_ft.launcher.simulated import free_port
 from inmem_ft.telemetry import read_losses
 from inmem_ft.smp import control, paths
 from inmem_ft.smp.segments import names_with_prefix, unlink
@@ -26,24 +25,6 @@ SBATCH = os.path.join(ROOT, "launch", "slurm_inmem.sbatch")
 BIN = os.path.dirname(sys.executable)  # the venv's python and torchrun
 STEPS, INTERVAL, DIE_AT = 12, 3, 7  # the restarted attempt resumes from the snapshot of step 6
 EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]
-
-
-def free_port(count: int = 1) -> int:
-    """The first of `count` consecutive ports free now, below the kernel's ephemeral range. These tests listen
-    on their ports again after a restart or a re-queue (torchrun's store, the SMPs' peer ports, a replacement
-    slurmd); a port from the ephemeral range may meanwhile be some other process's outgoing connection, and
-    the bind fails (seen: a re-queued SMP exited with EADDRINUSE on this busy host)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
-    while True:
-        first = random.randrange(10000, ephemeral - count)
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
 
 
 def script_env(runtime_dir, job, nnodes=2, **extra) -> dict:

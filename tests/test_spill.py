@@ -6,7 +6,7 @@ import os
 import signal
 
 from test_hardening import _write_rank as write_rank
-from inmem_ft.smp import control, paths, spill
+from inmem_ft.smp import control, inventory, paths, spill
 from inmem_ft.smp.client import SMPClient
 
 
@@ -34,7 +34,7 @@ def test_sigterm_mid_commit_spills_the_newer_step_for_its_rank_only_and_the_resu
         "r0.step10.slot", "r0.step8.slot", "r1.step8.slot"]
     assert "event=spill steps=8,10 files=3" in open(log).read()
 
-    control.wipe_segments(job, 0)  # the node's memory is gone
+    inventory.remove(job, 0)  # the node's memory is gone
     control.start(job, 0, 64 << 20, extra_args=spill_args)
     client = SMPClient(sock)
     try:

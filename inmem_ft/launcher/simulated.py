@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import random
 import signal
 import socket
 import subprocess
@@ -19,10 +20,22 @@ from ..cluster.options import ECOptions
 from ..smp import control, inventory, paths
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive ports free now, below the kernel's ephemeral range. Simulated jobs
+    listen on their ports again after a restart (torchrun's store, the SMPs' peer ports); a port from the
+    ephemeral range may meanwhile be some other process's outgoing connection, and the bind fails with
+    EADDRINUSE (seen on busy hosts)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    while True:
+        first = random.randrange(10000, ephemeral - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
 
 
 @dataclass
