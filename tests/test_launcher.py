@@ -8,6 +8,10 @@ import sys
 
 import pytest
 
+from inmem_ft.launcher.timelost import PARTS
+
+CLOCK_RESOLUTION_S = 0.001  # the rank logs' timestamps, which the restore's boundaries come from
+
 
 def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime, job):
     work = runtime / "launch"
@@ -30,6 +34,20 @@ def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime,
     assert all("memory" in e["text"] for e in restores) and "peer reconstruction" in restores[1]["text"]
     assert timeline["matches_reference"] is True
     assert "equals the uninterrupted run's" in out.stdout and (work / "plot.png").stat().st_size > 0
+    fired = [e["text"] for e in timeline["events"] if e["kind"] == "failure"]
+    assert [split["failure"] for split in timeline["time_lost"]] == fired
+    for split in timeline["time_lost"]:
+        assert_split_adds_up(split)
+    assert out.stdout.count("back at step") == 3 and "time lost per failure (s)" in out.stdout
+
+
+def assert_split_adds_up(split):
+    """Every part measured on its own, from recorded timestamps, and together they are the total."""
+    assert [p["part"] for p in split["parts"]] == list(PARTS) and all(p["note"] == "" for p in split["parts"])
+    bounds = split["boundaries"]
+    assert bounds == sorted(bounds), bounds  # each part ends where the next begins
+    assert abs(sum(p["seconds"] for p in split["parts"]) - split["total_s"]) <= CLOCK_RESOLUTION_S
+    assert split["steps_recomputed"] == split["reached_step"] - split["restored_step"] >= 0
 
 
 def launch(work, job, *args, steps=8):
@@ -45,6 +63,8 @@ def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_tha
     first = launch(work, job, "--kill-rank", "4:1", "--heartbeat-timeout", "30")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "exited with -9" in first.stdout and re.search(r"restore +step [36] from memory", first.stdout)
+    (split,) = json.loads((work / "timeline.json").read_text())["time_lost"]
+    assert_split_adds_up(split)
     # Same folder, same job id: nothing of the first run (heartbeats, losses, snapshots) may show up.
     second = launch(work, job, "--kill-rank", "99:0", "--heartbeat-timeout", "30")
     assert second.returncode == 1, second.stdout + second.stderr
