@@ -299,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a rank silent this long is hung, and all ranks restart (default: %(default)s)")
     launch.add_argument("--no-standby", action="store_true",
-                        help="start every rank of a restart as a fresh process (default: keep one warm standby "
-                             "process per rank that has already imported what the rank imports, and hand it the "
-                             "rank at a restart)")
+                        help="start every rank of a restart as a fresh process; needed by a command that must "
+                             "do something before an import (default: keep one warm standby process per rank that "
+                             "has already imported what the rank imports, and hand it the rank at a restart)")
     launch.add_argument("--max-restarts", type=int, default=5,
                         help="restarts before giving up (default: %(default)s)")
     launch.add_argument("--no-compare", action="store_true",

@@ -1,5 +1,6 @@
 """Warm standbys (inmem_ft/launcher/standby.py, worker.py): a rank handed to a standby runs its command as a
-cold `python ...` would, and a job restarted on standbys resumes bit-identically."""
+cold `python ...` would, a job restarted on standbys resumes bit-identically, and a command whose imports must
+follow its own code turns them off instead of failing."""
 import json
 import os
 import subprocess
@@ -71,3 +72,30 @@ def test_a_job_restarted_on_warm_standbys_resumes_bit_identically(job, runtime):
     resumed = read_losses(log)
     assert sorted(resumed) == [16, 17, 18, 19, 20]
     assert {s: resumed[s] for s in range(16, 20)} == {s: before[s] for s in range(16, 20)}  # bit-identical
+
+
+def test_a_command_whose_imports_must_follow_its_own_code_turns_standbys_off_and_still_finishes(job, runtime):
+    """As the Megatron example's CPU shim does: `guard.install()` refuses once `needs_guard` is imported, which
+    a standby has done already. The rank it started fails, standbys go off, the next restart is cold."""
+    lib = runtime / "lib"
+    lib.mkdir()
+    (lib / "needs_guard.py").write_text("")
+    (lib / "guard.py").write_text(
+        "import sys\n\ndef install():\n    if 'needs_guard' in sys.modules:\n"
+        "        raise RuntimeError('install the guard before anything imports needs_guard')\n")
+    script = runtime / "train.py"
+    script.write_text("import guard\nguard.install()\nimport needs_guard\n"
+                      "from inmem_ft.examples.plain_pytorch import main\nmain()\n")
+    env = {**os.environ, "PYTHONPATH": f"{lib}{os.pathsep}{os.environ['PYTHONPATH']}"}
+    out = subprocess.run([sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir",
+                          str(runtime / "launch"), "--nodes", "1", "--no-compare", "--kill-rank", "5:1", "--",
+                          str(script), "--steps", "12", "--interval", "3"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    timeline = json.loads((runtime / "launch" / "timeline.json").read_text())
+    events = [(e["kind"], e["text"]) for e in timeline["events"]]
+    off = next(i for i, (kind, text) in enumerate(events) if kind == "standby" and "standbys off" in text)
+    assert "install the guard before anything imports needs_guard" in events[off][1]
+    starts = [text for kind, text in events if kind == "start"]
+    assert "handed to warm standbys" in starts[1] and "standby" not in starts[2]
+    assert sorted(read_losses(str(runtime / "launch" / "loss.jsonl"))) == list(range(1, 13))

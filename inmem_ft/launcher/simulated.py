@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,7 +70,7 @@ class SimulatedCluster:
         self.workers = workers
         self.standbys = StandbyPool(log_dir) if workers == "standby" else None
         self.launched_at: float | None = None  # time.time() when the attempt began starting its ranks
-        self.starts: dict[str, int] = {}  # how the attempt's ranks started: "standby", "cold", "plain" -> count
+        self.started_as: dict[int, str] = {}  # rank -> how this attempt started it: "standby", "cold" or "plain"
         self.exit_times: dict[int, float] = {}  # rank -> time.time() of its exit, this attempt
         self.failure = threading.Event()  # some rank of this attempt exited with an error
         self._store = None  # the running attempt's rendezvous store, when served from here
@@ -150,7 +151,7 @@ class SimulatedCluster:
         self.attempts += 1
         self.placement = placement
         # New objects per attempt: a watcher of the last attempt that wakes late must not touch this one's.
-        self.exit_times, self.starts, self.failure = {}, {}, threading.Event()
+        self.exit_times, self.started_as, self.failure = {}, {}, threading.Event()
         timed = self.workers != "plain" and worker.runnable(argv)
         store = self._agent_store() if timed else None
         port = store.port if store else free_port()
@@ -170,7 +171,7 @@ class SimulatedCluster:
                 with open(log, "w") as out:
                     proc = subprocess.Popen([sys.executable, *command], env=env, stdout=out,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            self.starts[how] = self.starts.get(how, 0) + 1
+            self.started_as[rank] = how
             self.procs[rank] = proc
             threading.Thread(target=self._watch, args=(rank, proc, self.exit_times, self.failure), daemon=True).start()
 
@@ -202,7 +203,7 @@ class SimulatedCluster:
     def start_standbys(self) -> int:
         """Start a standby for every slot that has none, preloading what the slot's rank of the latest attempt
         has imported. Returns how many started; none before every rank has rendezvoused."""
-        if not self.standbys or self.standbys.refused or not self.attempts or "plain" in self.starts:
+        if not self.standbys or self.standbys.refused or not self.attempts or "plain" in self.started_as.values():
             return 0  # "plain": the command is not one the worker runs, so there is nothing to preload for it
         by_slot = {self.slot_of(rank): rank for rank in range(self.world_size)}
         missing = self.standbys.missing(list(by_slot))
@@ -213,6 +214,17 @@ class SimulatedCluster:
             rank = by_slot[slot]
             self.standbys.start(slot, {**self.env, **self.rank_vars(rank)}, self.record_path(self.attempts, rank))
         return len(missing)
+
+    @property
+    def starts(self) -> dict[str, int]:
+        """How many ranks of this attempt started each way ("standby", "cold", "plain")."""
+        return dict(Counter(self.started_as.values()))
+
+    def standbys_off(self) -> None:
+        """From now on every rank starts cold."""
+        if self.standbys:
+            self.standbys.stop()
+        self.standbys, self.workers = None, "cold"
 
     def failed_ranks(self) -> list[int]:
         return [r for r, p in self.procs.items() if p.poll() not in (None, 0)]

@@ -176,6 +176,9 @@ class Supervisor:
         attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
         stopped_at = time.time()
         why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
+        if (failed and self._restart is not None and attempt.returncodes[failed[0]] > 0
+                and self.cluster.started_as.get(failed[0]) == "standby"):
+            self._standbys_off(failed[0], why)
         if self._injected:
             failed_at, cause = self._injected[0]
             note = ""
@@ -213,6 +216,8 @@ class Supervisor:
         split = timelost.measure(restart, ranks, self._loss_records, end_note)
         self.timeline.time_lost.append(split)
         self._restart = None
+        if end_note:  # never back: say what could be measured
+            self.event("time lost", f"{restart.cause}: {timelost.describe(split)}")
         return split
 
     def _start_standbys(self) -> None:
@@ -228,6 +233,15 @@ class Supervisor:
         elif self.cluster.standbys.refused:
             self._standbys_started = True
             self.event("standby", f"warm standbys off, restarts start cold: {self.cluster.standbys.refused}")
+
+    def _standbys_off(self, rank: int, why: str) -> None:
+        """A rank a standby started failed on its own before training got back: most likely the command's
+        imports depend on what it does before them (a patch that must come before an import), which a standby
+        has imported already. Cold starts from now on; the job goes on."""
+        self.cluster.standbys_off()
+        self.event("standby", f"warm standbys off, restarts start cold: rank {rank}, started from a warm standby, "
+                              f"failed before training got back ({why}); a command whose imports must follow "
+                              f"something it does first needs cold starts (--no-standby)")
 
     def _beats(self, hb_dir: str) -> dict[int, dict]:
         """Heartbeats of the processes this attempt started, only: a file another run or attempt left
