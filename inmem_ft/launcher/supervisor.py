@@ -1,8 +1,10 @@
 """Run a training command on a simulated cluster, inject failures, restart, and keep a timeline.
 
 The supervisor does what torchrun's agent and an operator do on a real cluster: when a rank dies or stops
-sending heartbeats it stops the survivors and restarts every rank; when a node is lost it brings up a
-replacement SMP under the lost node's id. The ranks themselves decide where to restore from.
+sending heartbeats it stops the survivors and restarts every rank (on warm standbys, where the cluster keeps
+them); when a node is lost it brings up a replacement SMP under the lost node's id. The ranks themselves
+decide where to restore from. For each failure it measures the time until training is back at the step it
+had reached, part by part (launcher/timelost.py).
 """
 from __future__ import annotations
 
