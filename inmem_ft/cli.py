@@ -269,8 +269,11 @@ def cmd_launch(args) -> int:
     os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(work_dir, "run"))
     timeline = scenario.run(args.nodes, args.ranks_per_node, args.job, args.memory_budget, argv, failures,
                             work_dir, compare=not args.no_compare, heartbeat_timeout_s=args.heartbeat_timeout,
-                            max_restarts=args.max_restarts, parity=args.parity, group_size=args.group_size)
+                            max_restarts=args.max_restarts, parity=args.parity, group_size=args.group_size,
+                            standby=not args.no_standby)
     print(scenario.verdict(timeline))
+    if timeline.time_lost:
+        print(scenario.time_lost(timeline))
     scenario.write_json(timeline, os.path.join(work_dir, "timeline.json"))
     if args.plot:
         scenario.plot(timeline, args.plot, f"{args.nodes} nodes x {args.ranks_per_node} ranks")
@@ -361,6 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "default: none)")
     launch.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="a rank silent this long is hung, and all ranks restart (default: %(default)s)")
+    launch.add_argument("--no-standby", action="store_true",
+                        help="start every rank of a restart as a fresh process; needed by a command that must "
+                             "do something before an import (default: keep one warm standby process per rank that "
+                             "has already imported what the rank imports, and hand it the rank at a restart)")
     launch.add_argument("--max-restarts", type=int, default=5,
                         help="restarts before giving up (default: %(default)s)")
     launch.add_argument("--no-compare", action="store_true",

@@ -22,6 +22,7 @@ def main() -> int:
           f"the same run with: {'; '.join(f.describe() for f in failures)}.", flush=True)
     timeline = scenario.run(2, 2, "demo", 1 << 30, argv, failures, work, heartbeat_timeout_s=60, parity=1)
     print(scenario.verdict(timeline))
+    print(scenario.time_lost(timeline))
     plot = os.path.join(os.path.dirname(work), "demo.png")
     scenario.plot(timeline, plot, "inmem_ft demo: GPT, DeepSpeed ZeRO-2, 2 nodes x 2 ranks")
     scenario.write_json(timeline, os.path.join(work, "timeline.json"))

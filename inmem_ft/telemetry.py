@@ -29,22 +29,33 @@ class Heartbeat:
 
     def beat(self, **fields) -> None:
         self.state.update(fields, time=time.time())
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.state, f)
-        os.replace(tmp, self.path)  # readers never see half a file
+        write_record(self.path, self.state)
+
+
+def write_record(path: str, record: dict) -> None:
+    """Replace the JSON file `path` with `record`; readers never see half a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def read_record(path: str) -> dict | None:
+    """What write_record last wrote to `path`; None if nothing was written (yet)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def read_heartbeats(directory: str) -> dict[int, dict]:
     out = {}
     for name in os.listdir(directory) if os.path.isdir(directory) else []:
         if name.startswith("rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as f:
-                    beat = json.load(f)
-            except (OSError, ValueError):
-                continue
-            out[beat["rank"]] = beat
+            beat = read_record(os.path.join(directory, name))
+            if beat is not None:
+                out[beat["rank"]] = beat
     return out
 
 
@@ -73,14 +84,29 @@ def report_loss(step: int, loss: float, path: str | None = None, **extra) -> Non
         f.write(json.dumps({"step": step, "loss": float(loss), **extra, "time": time.time()}) + "\n")
 
 
+class Tail:
+    """The whole lines appended to a file since the last look (a log or the loss log, read while written)."""
+
+    def __init__(self, path: str, from_end: bool = False):
+        self.path = path
+        self.offset = os.path.getsize(path) if from_end and os.path.exists(path) else 0
+
+    def lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        done = data.rfind(b"\n") + 1  # a line still being written waits for the next look
+        self.offset += done
+        return data[:done].decode(errors="replace").splitlines()
+
+    def records(self) -> list[dict]:
+        """The new lines of a JSON-lines file (the loss log), parsed."""
+        return [json.loads(line) for line in self.lines() if line.strip()]
+
+
 def read_losses(path: str) -> dict[int, float]:
     """The loss of each step; a step run again after a restart keeps its last value."""
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if not line.endswith("\n"):
-                    break  # rank 0 is still writing it (the log is read while training runs)
-                rec = json.loads(line)
-                out[rec["step"]] = rec["loss"]
-    return out
+    return {rec["step"]: rec["loss"] for rec in Tail(path).records()}

@@ -5,8 +5,13 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
+
+from inmem_ft.launcher.timelost import PARTS
+
+CLOCK_RESOLUTION_S = 0.001  # the rank logs' timestamps, which the restore's boundaries come from
 
 
 def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime, job):
@@ -30,13 +35,52 @@ def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime,
     assert all("memory" in e["text"] for e in restores) and "peer reconstruction" in restores[1]["text"]
     assert timeline["matches_reference"] is True
     assert "equals the uninterrupted run's" in out.stdout and (work / "plot.png").stat().st_size > 0
+    fired = [e["text"] for e in timeline["events"] if e["kind"] == "failure"]
+    assert [split["failure"] for split in timeline["time_lost"]] == fired
+    for split in timeline["time_lost"]:
+        assert_split_adds_up(split)
+    assert out.stdout.count("back at step") == 3 and "time lost per failure (s)" in out.stdout
+
+
+def assert_split_adds_up(split):
+    """Every part measured on its own, from recorded timestamps, and together they are the total."""
+    assert [p["part"] for p in split["parts"]] == list(PARTS) and all(p["note"] == "" for p in split["parts"])
+    bounds = split["boundaries"]  # in causal order, up to the logs' resolution (a restore's start is derived)
+    assert all(b - a >= -2 * CLOCK_RESOLUTION_S for a, b in zip(bounds, bounds[1:])), bounds
+    assert abs(sum(p["seconds"] for p in split["parts"]) - split["total_s"]) <= CLOCK_RESOLUTION_S
+    assert split["steps_recomputed"] == split["reached_step"] - split["restored_step"] >= 0
+
+
+def test_a_boundary_nobody_recorded_merges_its_parts_and_says_why():
+    """A rank whose log has no restore line, a hang nobody injected: no figure is guessed."""
+    from inmem_ft.launcher.timelost import RankReport, Restart, measure
+
+    t = 1_700_000_000.0
+    line = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t + 9)) + ",000 INFO [inmem_ft] restore rank=0 " \
+        "step=10 source=memory seconds=1.000 list_s=0.001"
+    ranks = {0: RankReport({"standby": True, "ready": t, "assigned": t + 3, "rendezvous_start": t + 4,
+                            "rendezvous_end": t + 5}, line),
+             1: RankReport({"standby": False, "rendezvous_start": t + 4.5, "rendezvous_end": t + 5}, "no restore")}
+    losses = [{"step": 12, "time": t - 1}, {"step": 11, "time": t + 10}, {"step": 12, "time": t + 11}]
+    split = measure(Restart("kill", t, t + 1, t + 2, 12, attempt=2, launched_at=t + 3), ranks, losses)
+    assert [(p["part"], p["seconds"]) for p in split["parts"]] == [
+        ("detection", 1), ("teardown", 1), ("node replacement", 1), ("start and imports", 1.5),
+        ("rendezvous", 0.5), ("setup + restore + recompute", 6)]
+    assert "restore start not recorded by rank(s) [1]" in split["parts"][5]["note"]
+    assert "restore end not recorded by rank(s) [1]" in split["parts"][5]["note"]
+    assert split["total_s"] == 11 and split["starts"] == {"standby": 1, "cold": 1}
+    assert split["restored_step"] == 10 and split["steps_recomputed"] == 2
+    hang = measure(Restart("hang", None, t + 1, t + 2, 12, "stopped by itself", 2, t + 3), ranks, losses)
+    assert hang["parts"][0] == {"part": "detection", "seconds": None, "note": "stopped by itself"}
+    assert hang["total_s"] is None and sum(p["seconds"] or 0 for p in hang["parts"]) == 10
 
 
 def launch(work, job, *args, steps=8):
+    """A short job restarted cold (--no-standby): warm standbys are covered above and in test_standby.py."""
     return subprocess.run(
         [sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir", str(work), "--nodes", "1",
-         "--no-compare", *args, "--", "-m", "inmem_ft.examples.plain_pytorch", "--steps", str(steps),
-         "--interval", "3"], capture_output=True, text=True, timeout=300)
+         "--no-compare", "--no-standby", *args, "--", "-m", "inmem_ft.examples.plain_pytorch", "--steps",
+         str(steps), "--interval", "3"], capture_output=True, text=True, timeout=300)
 
 
 def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_that_never_happened_fails_it(
@@ -45,6 +89,9 @@ def test_a_second_run_in_the_same_work_dir_reports_only_itself_and_a_failure_tha
     first = launch(work, job, "--kill-rank", "4:1", "--heartbeat-timeout", "30")
     assert first.returncode == 0, first.stdout + first.stderr
     assert "exited with -9" in first.stdout and re.search(r"restore +step [36] from memory", first.stdout)
+    (split,) = json.loads((work / "timeline.json").read_text())["time_lost"]
+    assert_split_adds_up(split)
+    assert split["starts"] == {"cold": 2} and "standby" not in first.stdout
     # Same folder, same job id: nothing of the first run (heartbeats, losses, snapshots) may show up.
     second = launch(work, job, "--kill-rank", "99:0", "--heartbeat-timeout", "30")
     assert second.returncode == 1, second.stdout + second.stderr
@@ -90,3 +137,8 @@ def test_make_demo_twice_in_the_same_folder_reports_each_run_truthfully(runtime)
         restores = [e["text"] for e in timeline["events"] if e["kind"] == "restore" and e["step"]]
         assert len(restores) == 2 and "from memory in" in restores[0] and "peer reconstruction" in restores[1]
         assert "equals the uninterrupted run's" in out.stdout and (runtime / "out" / "demo.png").stat().st_size
+        assert [s["failure"] for s in timeline["time_lost"]] == [
+            e["text"] for e in timeline["events"] if e["kind"] == "failure"]
+        for split in timeline["time_lost"]:
+            assert_split_adds_up(split)
+        assert "time lost per failure (s)" in out.stdout

@@ -13,6 +13,7 @@ from typing import Callable
 from .. import telemetry
 from ..errors import InmemFTError
 from ..smp import inventory
+from . import timelost
 from .simulated import SimulatedCluster
 from .supervisor import Failure, Supervisor, Timeline
 
@@ -61,10 +62,11 @@ def reference_losses(nodes: int, ranks_per_node: int, job: str, budget: int, arg
 
 def run(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str], failures: list[Failure],
         work_dir: str, *, compare: bool = True, heartbeat_timeout_s: float = 60.0, max_restarts: int = 5,
-        parity: int | None = None, group_size: int | None = None,
+        parity: int | None = None, group_size: int | None = None, standby: bool = True,
         say: Callable[[str], None] = lambda line: print(line, flush=True)) -> Timeline:
-    """`parity` m turns erasure coding on: a lost node is rebuilt from its group's survivors. `say` gets
-    progress and each timeline line as it happens."""
+    """`parity` m turns erasure coding on: a lost node is rebuilt from its group's survivors. `standby`: restarts
+    hand ranks to warm standby processes (launcher/standby.py), else every rank of a restart starts cold. `say`
+    gets progress and each timeline line as it happens."""
     for f in failures:
         f.check(nodes, nodes * ranks_per_node)
     clear_work_dir(work_dir)
@@ -73,7 +75,7 @@ def run(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str],
     env = {"INMEM_FT_SECRET": os.environ.get("INMEM_FT_SECRET") or secrets.token_hex(16)}
     wipe_job(job, nodes)
     cluster = SimulatedCluster(nodes, ranks_per_node, job, budget, os.path.join(work_dir, "logs"), env,
-                               parity=parity, group_size=group_size)
+                               parity=parity, group_size=group_size, workers="standby" if standby else "cold")
     say("run with failures:\n" + Timeline.HEADER)
     with cluster:
         timeline = Supervisor(cluster, argv, failures, heartbeat_timeout_s=heartbeat_timeout_s,
@@ -96,11 +98,19 @@ def verdict(timeline: Timeline) -> str:
     return text if timeline.passed else "FAILED: " + text
 
 
+def time_lost(timeline: Timeline) -> str:
+    """The table of what each failure cost, part by part, or nothing if nothing failed."""
+    if not timeline.time_lost:
+        return ""
+    return ("time lost per failure (s), from the failure to training back at the step it had reached:\n"
+            + timelost.table(timeline.time_lost))
+
+
 def write_json(timeline: Timeline, path: str) -> None:
     with open(path, "w") as f:
         json.dump({"ok": timeline.ok, "passed": timeline.passed, "matches_reference": timeline.matches_reference,
                    "events": [asdict(e) for e in timeline.events], "failures": timeline.failures,
-                   "missed": timeline.missed, "recoveries": timeline.recoveries,
+                   "missed": timeline.missed, "time_lost": timeline.time_lost,
                    "losses": timeline.losses, "reference": timeline.reference}, f, indent=2)
 
 
@@ -119,12 +129,11 @@ def plot(timeline: Timeline, path: str, title: str) -> None:
                 label="uninterrupted run")
     steps = sorted(timeline.losses)
     ax.plot(steps, [timeline.losses[s] for s in steps], ".", color="#2a7", label="run with failures, resumed")
-    lost = iter(timeline.recoveries)
+    lost = {split["failure"]: split["total_s"] for split in timeline.time_lost}
     for i, (step, text) in enumerate(timeline.failures):
         ax.axvline(step, color="#c33", linestyle="--")
-        recovery = next(lost, None)
-        if recovery is not None:
-            text += f"\n{recovery[1]:.1f} s lost"
+        if lost.get(text) is not None:
+            text += f"\n{lost[text]:.1f} s lost"
         ax.annotate(text, (step, 0.97 - 0.12 * i), xycoords=("data", "axes fraction"), color="#c33",
                     fontsize=8, ha="right", va="top", xytext=(-4, 0), textcoords="offset points",
                     bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})

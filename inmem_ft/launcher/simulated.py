@@ -12,12 +12,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 from ..cluster.options import ECOptions
 from ..smp import control, inventory, paths
+from ..telemetry import read_record
+from . import worker
+from .standby import StandbyPool
+
+WORKERS = ("plain", "cold", "standby")
 
 
 def free_port(count: int = 1) -> int:
@@ -55,10 +62,15 @@ class Attempt:
 class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
                  env: dict | None = None, parity: int | None = None, group_size: int | None = None,
-                 ec_bandwidth: int | None = None):
+                 ec_bandwidth: int | None = None, workers: str = "plain"):
         """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
         secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
-        erasure coding across the nodes."""
+        erasure coding across the nodes. `workers`: "plain" runs each rank as `python argv...`, rank 0 serving
+        the rendezvous store; "cold" runs it through inmem_ft.launcher.worker, which records when it started and
+        rendezvoused (worker_record), and serves the store from here, as torchrun's agent does; "standby" does
+        too, and hands each rank to its slot's warm standby when there is one (start_standbys)."""
+        if workers not in WORKERS:
+            raise ValueError(f"workers={workers!r}: expected one of {WORKERS}")
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
         self.memory_budget, self.log_dir = memory_budget, log_dir
@@ -68,6 +80,13 @@ class SimulatedCluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self.attempts = 0
         self.placement: dict[int, int] | None = None  # rank -> node; None: node-major, as torchrun's static rdzv
+        self.workers = workers
+        self.standbys = StandbyPool(log_dir) if workers == "standby" else None
+        self.launched_at: float | None = None  # time.time() when the attempt began starting its ranks
+        self.started_as: dict[int, str] = {}  # rank -> how this attempt started it: "standby", "cold" or "plain"
+        self.exit_times: dict[int, float] = {}  # rank -> time.time() of its exit, this attempt
+        self.failure = threading.Event()  # some rank of this attempt exited with an error
+        self._store = None  # the running attempt's rendezvous store, when served from here
         os.makedirs(log_dir, exist_ok=True)
         self.peers = ",".join(f"{n}=127.0.0.1:{free_port()}" for n in range(nodes))
         self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
@@ -112,11 +131,15 @@ class SimulatedCluster:
         for rank, proc in self.procs.items():
             if self.node_of(rank) == node and proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
+        if self.standbys:
+            self.standbys.stop([(node, local) for local in range(self.ranks_per_node)])
         self.kill_smp(node)
         self.wipe_node(node)
 
     def stop(self, wipe: bool = True) -> None:
         self.kill_ranks()
+        if self.standbys:
+            self.standbys.stop()
         for node in list(self.smps):
             try:
                 control.stop(self.socket_path(node), wipe=wipe)
@@ -127,26 +150,101 @@ class SimulatedCluster:
                 self.wipe_node(node)
 
     # ---- trainers ---------------------------------------------------------------------------------------
+    def slot_of(self, rank: int) -> tuple[int, int]:
+        """(node, local rank) of `rank` under the current placement."""
+        node = self.node_of(rank)
+        return node, sorted(r for r in range(self.world_size) if self.node_of(r) == node).index(rank)
+
+    def rank_vars(self, rank: int) -> dict:
+        """The variables of `rank` that are the same in every attempt; launch() adds the attempt's own."""
+        node, local = self.slot_of(rank)
+        return {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(self.ranks_per_node), "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
+                "INMEM_FT_JOB": self.job, "INMEM_FT_NODE": str(node), "INMEM_FT_SMP_SOCKET": self.socket_path(node),
+                "INMEM_FT_RUNTIME_DIR": paths.runtime_dir()}
+
     def launch(self, argv: list[str], extra_env: dict | None = None, placement: dict[int, int] | None = None) -> None:
         """Start every rank of one attempt running `python argv...` with the torchrun variables set.
         `placement` (rank -> node) puts global ranks on other nodes than last time, as torchrun's c10d
         rendezvous may after a re-queue."""
+        self.launched_at = time.time()
         self.attempts += 1
         self.placement = placement
-        port = free_port()
+        # New objects per attempt: a watcher of the last attempt that wakes late must not touch this one's.
+        self.exit_times, self.started_as, self.failure = {}, {}, threading.Event()
+        timed = self.workers != "plain" and worker.runnable(argv)
+        store = self._agent_store() if timed else None
+        port = store.port if store else free_port()
         for rank in range(self.world_size):
-            node = self.node_of(rank)
-            local = sorted(r for r in range(self.world_size) if self.node_of(r) == node).index(rank)
-            env = {**self.env, **(extra_env or {}), "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
-                   "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "INMEM_FT_JOB": self.job, "INMEM_FT_NODE": str(node),
-                   "INMEM_FT_SMP_SOCKET": self.socket_path(node), "INMEM_FT_RUNTIME_DIR": paths.runtime_dir(),
+            env = {**self.env, **(extra_env or {}), **self.rank_vars(rank), "MASTER_PORT": str(port),
                    "INMEM_FT_ATTEMPT": str(self.attempts)}
-            out = open(os.path.join(self.log_dir, f"attempt{self.attempts}-rank{rank}.log"), "w")
-            self.procs[rank] = subprocess.Popen([sys.executable, *argv], env=env, stdout=out,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            out.close()
+            log = os.path.join(self.log_dir, f"attempt{self.attempts}-rank{rank}.log")
+            if timed:
+                env.update({worker.RECORD: self.record_path(self.attempts, rank),
+                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
+            proc, how = None, "plain"
+            if timed and self.standbys:
+                proc, how = self.standbys.hand_over(self.slot_of(rank), argv, env, log), "standby"
+            if proc is None:
+                command = ["-m", "inmem_ft.launcher.worker", "--", *argv] if timed else argv
+                how = "cold" if timed else "plain"
+                with open(log, "w") as out:
+                    proc = subprocess.Popen([sys.executable, *command], env=env, stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.started_as[rank] = how
+            self.procs[rank] = proc
+            threading.Thread(target=self._watch, args=(rank, proc, self.exit_times, self.failure), daemon=True).start()
+
+    def _agent_store(self):
+        """A rendezvous store served from here, one per attempt, as torchrun's agent serves one (every rank a
+        client: TORCHELASTIC_USE_AGENT_STORE). Were rank 0 serving it, a rank that asks before rank 0 is up
+        would retry after a backoff (0.29 s for one 50 ms early, growing from there in torch 2.13): ranks
+        restarted by warm standbys arrive within milliseconds of each other, and would wait for that."""
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
+        return self._store
+
+    @staticmethod
+    def _watch(rank: int, proc: subprocess.Popen, exit_times: dict, failure: threading.Event) -> None:
+        """Note the moment the rank exits, and wake whoever waits for a failure."""
+        code = proc.wait()
+        exit_times[rank] = time.time()
+        if code != 0:
+            failure.set()
+
+    def record_path(self, attempt: int, rank: int) -> str:
+        return os.path.join(self.log_dir, f"attempt{attempt}-rank{rank}.json")
+
+    def worker_record(self, attempt: int, rank: int) -> dict | None:
+        """What rank's worker recorded in `attempt` (inmem_ft.launcher.worker); None if nothing (yet)."""
+        return read_record(self.record_path(attempt, rank))
+
+    def start_standbys(self) -> int:
+        """Start a standby for every slot that has none, preloading what the slot's rank of the latest attempt
+        has imported. Returns how many started; none before every rank has rendezvoused."""
+        if not self.standbys or self.standbys.refused or not self.attempts or "plain" in self.started_as.values():
+            return 0  # "plain": the command is not one the worker runs, so there is nothing to preload for it
+        by_slot = {self.slot_of(rank): rank for rank in range(self.world_size)}
+        missing = self.standbys.missing(list(by_slot))
+        if not missing or any("modules" not in (self.worker_record(self.attempts, by_slot[s]) or {})
+                              for s in missing):
+            return 0
+        for slot in missing:
+            rank = by_slot[slot]
+            self.standbys.start(slot, {**self.env, **self.rank_vars(rank)}, self.record_path(self.attempts, rank))
+        return len(missing)
+
+    @property
+    def starts(self) -> dict[str, int]:
+        """How many ranks of this attempt started each way ("standby", "cold", "plain")."""
+        return dict(Counter(self.started_as.values()))
+
+    def standbys_off(self) -> None:
+        """From now on every rank starts cold."""
+        if self.standbys:
+            self.standbys.stop()
+        self.standbys, self.workers = None, "cold"
 
     def failed_ranks(self) -> list[int]:
         return [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
@@ -161,7 +259,7 @@ class SimulatedCluster:
             first_failure = next((r for r, p in self.procs.items() if p.returncode != 0), None)
         attempt = Attempt(self.attempts, {r: p.returncode for r, p in self.procs.items()}, first_failure,
                           time.monotonic() - t0)
-        self.procs = {}
+        self.procs, self._store = {}, None
         return attempt
 
     def wait(self, timeout_s: float = 600.0, poll: Callable[[float], None] | None = None) -> Attempt:
@@ -171,7 +269,7 @@ class SimulatedCluster:
         while self.running() and not self.failed_ranks() and time.monotonic() - t0 < timeout_s:
             if poll:
                 poll(time.monotonic() - t0)
-            time.sleep(0.05)
+            self.failure.wait(0.05)
         failed = self.failed_ranks()
         return self.end_attempt(t0, failed[0] if failed else None)
 

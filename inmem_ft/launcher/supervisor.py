@@ -1,8 +1,10 @@
 """Run a training command on a simulated cluster, inject failures, restart, and keep a timeline.
 
 The supervisor does what torchrun's agent and an operator do on a real cluster: when a rank dies or stops
-sending heartbeats it stops the survivors and restarts every rank; when a node is lost it brings up a
-replacement SMP under the lost node's id. The ranks themselves decide where to restore from.
+sending heartbeats it stops the survivors and restarts every rank (on warm standbys, where the cluster keeps
+them); when a node is lost it brings up a replacement SMP under the lost node's id. The ranks themselves
+decide where to restore from. For each failure it measures the time until training is back at the step it
+had reached, part by part (launcher/timelost.py).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import Callable
 
 from .. import telemetry
 from ..errors import ConfigError
+from . import timelost
 from .simulated import SimulatedCluster
+
+POLL_S = 0.05  # heartbeats, failure injection, recovery; a rank's exit wakes the supervisor at once
 
 
 @dataclass
@@ -63,7 +68,7 @@ class Timeline:
     reference: dict[int, float] | None = None
     failures: list[tuple[int, str]] = field(default_factory=list)  # (step, description) for the plot
     missed: list[str] = field(default_factory=list)  # requested failures the run never reached
-    recoveries: list[tuple[int, float]] = field(default_factory=list)  # (step caught up again, seconds lost)
+    time_lost: list[dict] = field(default_factory=list)  # per restart: timelost.measure()
     ok: bool = False
 
     @property
@@ -95,13 +100,17 @@ class Supervisor:
         self.cluster, self.argv, self.failures, self.live = cluster, argv, failures, live
         self.heartbeat_timeout_s, self.max_restarts, self.work_dir = heartbeat_timeout_s, max_restarts, work_dir
         self.loss_log = os.path.join(work_dir, "loss.jsonl")
+        self._losses = telemetry.Tail(self.loss_log)
+        self._loss_records: list[dict] = []
         self.timeline = Timeline()
         self._t0 = time.monotonic()
         # (attempt, step) -> {rank: stall seconds} as each rank's heartbeat reported the snapshot
         self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # None: reported
         self._lost_nodes: list[int] = []
-        self._pending_loss: list[tuple[float, int]] = []  # (time of failure, step reached then)
-        self._smp_logs: dict[int, int] = {}  # replaced node -> offset of its new SMP's lines in its log
+        self._injected: list[tuple[float, str]] = []  # this attempt's failures: (time.time() of the signal, what)
+        self._restart: timelost.Restart | None = None  # the failure being recovered from
+        self._standbys_started = False  # this attempt's
+        self._smp_logs: dict[int, telemetry.Tail] = {}  # replaced node -> its new SMP's lines in its log
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
         e = Event(time.monotonic() - self._t0, kind, text, step)
@@ -112,7 +121,7 @@ class Supervisor:
     def run(self) -> Timeline:
         for attempt in range(self.max_restarts + 1):
             for node in self._lost_nodes:
-                self._smp_logs[node] = os.path.getsize(self.cluster.smp_log(node))
+                self._smp_logs[node] = telemetry.Tail(self.cluster.smp_log(node), from_end=True)
                 self.cluster.start_smp(node)
                 self.event("replace", f"node {node}: replacement SMP started empty under the lost node's id")
             self._lost_nodes = []
@@ -121,6 +130,8 @@ class Supervisor:
                 break
         else:
             self.event("give up", f"still failing after {self.max_restarts} restarts")
+        if self._restart is not None:
+            self._measured(self._restart, "the run ended before training got back to that step")
         self.timeline.losses = telemetry.read_losses(self.loss_log)
         last = max(self.timeline.losses, default=0)
         for f in self.failures:
@@ -133,29 +144,106 @@ class Supervisor:
         hb_dir = os.path.join(self.work_dir, f"heartbeats{number}")
         os.makedirs(hb_dir, exist_ok=True)
         self.cluster.launch(self.argv, {telemetry.HEARTBEAT_DIR: hb_dir, telemetry.LOSS_LOG: self.loss_log})
-        self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes")
+        self._injected, self._standbys_started = [], False
+        if self._restart is not None:
+            self._restart.attempt, self._restart.launched_at = number, self.cluster.launched_at
+        standby = self.cluster.starts.get("standby", 0)
+        self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes"
+                            + (f" ({standby} handed to warm standbys)" if standby else ""))
         t0, restored_seen = time.monotonic(), False
         while True:
             beats = self._beats(hb_dir)
+            self._loss_records += self._losses.records()
             restored_seen = self._note_restore(beats, restored_seen)
             self._note_snapshots(beats)
-            self._note_recovery(beats)
+            self._note_recovery()
             self._note_rebuilds()
+            self._start_standbys()
             self._inject(beats)
             hung = self._hung(beats)
             failed = self.cluster.failed_ranks()
             if hung or failed:
-                step = max((b.get("step", 0) for b in beats.values()), default=0)
-                attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
-                why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
-                self.event("detected", f"{why}; survivors stopped, all ranks restart", step)
-                self._pending_loss.append((time.monotonic(), step))
+                self._detected(t0, failed, hung, beats)
                 return False
             if not self.cluster.running():
                 self.cluster.end_attempt(t0)
                 self.event("finished", f"attempt {number}: every rank exited cleanly")
                 return True
-            time.sleep(0.05)
+            self.cluster.failure.wait(POLL_S)
+
+    def _detected(self, t0: float, failed: list[int], hung: list[int], beats: dict) -> None:
+        """Stop the attempt and remember what the failure will have cost once training is back."""
+        detected_at = time.time()
+        exit_times = dict(self.cluster.exit_times)
+        attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
+        stopped_at = time.time()
+        why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
+        if (failed and self._restart is not None and attempt.returncodes[failed[0]] > 0
+                and self.cluster.started_as.get(failed[0]) == "standby"):
+            self._standbys_off(failed[0], why)
+        if self._injected:
+            failed_at, cause = self._injected[0]
+            note = ""
+        elif failed:
+            failed_at, cause, note = exit_times.get(failed[0]), why, ""
+        else:
+            failed_at, cause = None, why
+            note = "the rank stopped by itself: when is unknown, so the time lost is counted from its detection"
+        if self._restart is not None:  # it failed again before training got back
+            self._measured(self._restart, f"the restart failed ({why}) before training got back to that step")
+        self._loss_records += self._losses.records()  # complete now: every rank of the attempt is gone
+        reached = max((r["step"] for r in self._loss_records if r["time"] <= (failed_at or detected_at)),
+                      default=None)
+        self._restart = timelost.Restart(cause, failed_at, detected_at, stopped_at, reached, note)
+        self.event("detected", f"{why}; survivors stopped, all ranks restart",
+                   reached if reached is not None else max((b.get("step", 0) for b in beats.values()), default=0))
+
+    def _note_recovery(self) -> None:
+        """Training is back at the step the failure interrupted: how long that took, and where the time went."""
+        r = self._restart
+        if r is None or r.launched_at is None:
+            return
+        since = [rec["step"] for rec in self._loss_records if rec["time"] > r.launched_at]
+        if since and (r.reached is None or max(since) >= r.reached):
+            split = self._measured(r)
+            where = "training again" if r.reached is None else f"back at step {r.reached}"
+            self.event("recovered", f"{where}: {timelost.describe(split)}", r.reached)
+
+    def _measured(self, restart: timelost.Restart, end_note: str = "") -> dict:
+        ranks = {}
+        if restart.attempt is not None:
+            for rank in range(self.cluster.world_size):
+                ranks[rank] = timelost.RankReport(self.cluster.worker_record(restart.attempt, rank),
+                                                  self.cluster.rank_log(restart.attempt, rank))
+        split = timelost.measure(restart, ranks, self._loss_records, end_note)
+        self.timeline.time_lost.append(split)
+        self._restart = None
+        if end_note:  # never back: say what could be measured
+            self.event("time lost", f"{restart.cause}: {timelost.describe(split)}")
+        return split
+
+    def _start_standbys(self) -> None:
+        """Warm standbys for the next restart, once nothing is being recovered (their imports would slow the
+        recovery) and the ranks have rendezvoused (so there is a list of their imports to follow)."""
+        if self._standbys_started or self._restart is not None or not self.cluster.standbys:
+            return
+        started = self.cluster.start_standbys()
+        if started:
+            self._standbys_started = True
+            self.event("standby", f"{started} warm standby process(es) started: each imports what its rank has "
+                                  f"imported, and waits to take over a rank in the next restart")
+        elif self.cluster.standbys.refused:
+            self._standbys_started = True
+            self.event("standby", f"warm standbys off, restarts start cold: {self.cluster.standbys.refused}")
+
+    def _standbys_off(self, rank: int, why: str) -> None:
+        """A rank a standby started failed on its own before training got back: most likely the command's
+        imports depend on what it does before them (a patch that must come before an import), which a standby
+        has imported already. Cold starts from now on; the job goes on."""
+        self.cluster.standbys_off()
+        self.event("standby", f"warm standbys off, restarts start cold: rank {rank}, started from a warm standby, "
+                              f"failed before training got back ({why}); a command whose imports must follow "
+                              f"something it does first needs cold starts (--no-standby)")
 
     def _beats(self, hb_dir: str) -> dict[int, dict]:
         """Heartbeats of the processes this attempt started, only: a file another run or attempt left
@@ -195,29 +283,13 @@ class Supervisor:
 
     def _note_rebuilds(self) -> None:
         """A replacement SMP's rebuild, as its log reports it."""
-        for node, offset in self._smp_logs.items():
-            with open(self.cluster.smp_log(node), "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            done = data.rfind(b"\n") + 1  # whole lines only
-            self._smp_logs[node] = offset + done
-            for line in data[:done].decode(errors="replace").splitlines():
+        for node, tail in self._smp_logs.items():
+            for line in tail.lines():
                 m = self._REBUILD.search(line)
                 if m:
                     what = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt",
                             "rebuild_failed": "rebuild FAILED"}[m.group(1)]
                     self.event("rebuild", f"node {node} {what} from its EC group: {m.group(2)}")
-
-    def _note_recovery(self, beats: dict) -> None:
-        if not self._pending_loss or len(beats) < self.cluster.world_size:
-            return
-        now_step = min(b.get("step", 0) for b in beats.values())
-        t_fail, step = self._pending_loss[0]
-        if now_step >= step:
-            self._pending_loss.pop(0)
-            lost = time.monotonic() - t_fail
-            self.timeline.recoveries.append((step, lost))
-            self.event("recovered", f"back at step {step}: {lost:.1f} s lost to the failure", step)
 
     def _inject(self, beats: dict) -> None:
         for f in self.failures:
@@ -233,6 +305,7 @@ class Supervisor:
             text = f.describe() + (f" (reached step {reached} when it landed)" if reached != f.step else "")
             self.timeline.failures.append((reached, text))
             self.event("failure", text, reached)
+            self._injected.append((time.time(), text))
             if f.kind == "rank":
                 self.cluster.procs[f.target].send_signal(signal.SIGKILL)
             elif f.kind == "hang":

@@ -43,14 +43,15 @@ def start(job: str, node: int, memory_budget: int, socket_path: str | None = Non
             return proc
         if proc.poll() is not None:
             raise SMPUnavailable(f"the SMP exited with code {proc.returncode} before it was ready: "
-                                 f"{_last_line(log_path)} (log: {log_path})")
+                                 f"{last_line(log_path)} (log: {log_path})")
         time.sleep(0.05)
     proc.kill()
     raise SMPUnavailable(f"the SMP did not answer on {socket_path} within {wait_s:.0f} s; see {log_path}")
 
 
-def _last_line(path: str) -> str:
-    # The daemon's entry point turns every setup error into one last line (a traceback is a bug there).
+def last_line(path: str) -> str:
+    """A log's last line: where a process that stops on a setup error says why (the SMP's entry point turns
+    every setup error into one such line; a traceback is a bug there)."""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     return lines[-1] if lines else "(its log is empty)"

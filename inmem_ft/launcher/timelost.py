@@ -1,0 +1,177 @@
+"""The time a failure costs, from the failure to training back at the step it had reached, split into its parts.
+
+Every boundary is a timestamp this run recorded (time.time(), one clock for every process of the machine):
+
+    failure            the supervisor sent the signal (an injected failure), or the failed rank exited (a crash)
+    detected           the supervisor noticed the exit, or the heartbeat timeout expired
+    stopped            every surviving rank was killed and reaped
+    launched           the supervisor began starting the ranks of the restart (after any replacement SMP)
+    rendezvous start   the last rank called init_process_group (its worker's record)
+    rendezvous end     the last rank's init_process_group returned (its worker's record)
+    restore start      the last rank began its restore (its `restore rank=... seconds=T` log line, less T)
+    restore end        the last rank finished it (that log line's time: 1 ms resolution)
+    back               the loss log has the step the job had reached, again
+
+The parts between consecutive boundaries add up to the total. A boundary nobody recorded is not guessed: the
+parts on either side of it are reported as one ("setup + restore") with a note saying what was missing.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+PARTS = ("detection", "teardown", "node replacement", "start and imports", "rendezvous", "setup", "restore",
+         "recompute")
+
+_RESTORE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\brestore rank=\d+ step=(\d+) source=\S+ "
+                      r"seconds=([\d.]+)(.*)$", re.M)
+_PHASE = re.compile(r"\b(\w+)_s=([\d.]+)")
+
+
+@dataclass
+class Restart:
+    """What the supervisor recorded of one failure and the restart that followed it."""
+
+    cause: str
+    failed_at: float | None  # None: a rank that stopped by itself, at a moment nobody saw
+    detected_at: float
+    stopped_at: float
+    reached: int | None  # the newest step in the loss log before the failure
+    failed_note: str = ""
+    attempt: int | None = None  # the attempt that restarted the job
+    launched_at: float | None = None
+
+
+@dataclass
+class RankReport:
+    """What one rank of the restart recorded: its worker's record and its log."""
+
+    record: dict | None
+    log: str
+
+
+def restore_span(log: str) -> tuple[float, float, int, dict] | None:
+    """(start, end, step, phases) of the rank's restore, from its last `restore rank=R step=S source=X seconds=T`
+    line (an adapter logs the whole restore after the snapshot's own line, so the last one spans it all)."""
+    matches = list(_RESTORE.finditer(log))
+    if not matches:
+        return None
+    m = matches[-1]
+    end = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+    phases = {k: float(v) for k, v in _PHASE.findall(m.group(5))}
+    return end - float(m.group(4)), end, int(m.group(3)), phases
+
+
+def _latest(values: dict[int, float | None], what: str) -> tuple[float | None, str]:
+    """The last rank's time (the restart waits for it), or None and which ranks did not record it."""
+    missing = sorted(r for r, v in values.items() if v is None)
+    if missing:
+        return None, f"{what} not recorded by rank(s) {missing}"
+    return max(values.values()), ""
+
+
+def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], end_note: str = "") -> dict:
+    """The split of one restart. `losses`: the loss log's records so far; `end_note` says why training is not
+    back yet when it is not (the run ended, the restart failed too)."""
+    records = {r: rep.record or {} for r, rep in ranks.items()}
+    bounds: list[float | None] = [restart.failed_at, restart.detected_at, restart.stopped_at, restart.launched_at]
+    notes = [restart.failed_note, "", "", "" if restart.launched_at else "the job was not restarted"]
+    worker_note = " (the command did not run through the worker, or never called init_process_group)"
+    for key in ("rendezvous_start", "rendezvous_end"):
+        t, note = _latest({r: rec.get(key) for r, rec in records.items()}, key.replace("_", " "))
+        bounds.append(t)
+        notes.append(note + worker_note if note else "")
+    spans = {r: restore_span(rep.log) for r, rep in ranks.items()}
+    restored = {s[2] for s in spans.values() if s}
+    for i, what in ((0, "restore start"), (1, "restore end")):
+        t, note = _latest({r: s[i] if s else None for r, s in spans.items()}, what)
+        bounds.append(t)
+        notes.append(note + " (no snapshot restored, or the rank's log has no `restore rank=... seconds=` line: "
+                            "inmem_ft.log_to_stderr())" if note else "")
+    restored_step = max(restored) if len(restored) == 1 else None
+    back, back_note = _back(restart, losses, restored_step, bounds[-1], end_note)
+    bounds.append(back)
+    notes.append(back_note)
+    parts, total = _parts(bounds, notes)
+    slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
+    return {"failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
+            "restored_step": restored_step,
+            "steps_recomputed": (max(restart.reached - restored_step, 0)
+                                 if restart.reached is not None and restored_step is not None else None),
+            "total_s": total, "parts": parts,
+            "starts": dict(Counter(_start(rec, restart.launched_at) for rec in records.values())),
+            "restore_phases": slowest[3] if slowest else {}, "boundaries": bounds}
+
+
+def _start(record: dict, launched_at: float | None) -> str:
+    """How a rank of the restart started: "cold", "standby" (it was waiting), "standby still importing" (it ran
+    the rank once done), or "unrecorded" (the command did not run through the worker)."""
+    if not record:
+        return "unrecorded"
+    if not record["standby"]:
+        return "cold"
+    return "standby" if launched_at is None or record["ready"] <= launched_at else "standby still importing"
+
+
+def _back(restart: Restart, losses: list[dict], restored_step: int | None, restore_end: float | None,
+          end_note: str) -> tuple[float | None, str]:
+    if restart.launched_at is None:
+        return None, end_note
+    if restart.reached is None:
+        return None, ("the loss log had no step before the failure (the command does not call "
+                      "inmem_ft.report_loss, or failed before its first step)")
+    if restored_step is not None and restored_step >= restart.reached and restore_end is not None:
+        return restore_end, ""  # restored a step at or past the one reached: nothing to compute again
+    again = next((rec["time"] for rec in losses
+                  if rec["time"] > restart.launched_at and rec["step"] >= restart.reached), None)
+    if again is None:
+        return None, end_note or f"training is not back at step {restart.reached} yet"
+    return again, ""
+
+
+def _parts(bounds: list[float | None], notes: list[str]) -> tuple[list[dict], float | None]:
+    """Parts between consecutive recorded boundaries, merging across unrecorded ones; the total from the first
+    recorded boundary to the last (None unless both the failure and the recovery were recorded)."""
+    known = [i for i, b in enumerate(bounds) if b is not None]
+    parts = [{"part": PARTS[i], "seconds": None, "note": notes[i]} for i in range(known[0])]
+    prev = bounds[known[0]]
+    for a, b in zip(known, known[1:]):
+        end = max(bounds[b], prev)  # two clocks' resolutions may put a later mark a hair earlier
+        missing = "; ".join(notes[i] for i in range(a + 1, b) if notes[i])
+        parts.append({"part": " + ".join(PARTS[a:b]), "seconds": end - prev, "note": missing})
+        prev = end
+    parts += [{"part": PARTS[i], "seconds": None, "note": notes[i + 1]} for i in range(known[-1], len(PARTS))]
+    complete = bounds[0] is not None and bounds[-1] is not None
+    return parts, (prev - bounds[0] if complete else None)
+
+
+def describe(split: dict) -> str:
+    """One line: the total and each part, in seconds."""
+    parts = []
+    for p in split["parts"]:
+        figure = "not measured" if p["seconds"] is None else f"{p['seconds']:.3f}"
+        if p["part"].endswith("recompute") and split["steps_recomputed"] is not None:
+            figure += f" ({split['steps_recomputed']} steps)"
+        parts.append(f"{p['part']} {figure}")
+    total = "time lost not measured" if split["total_s"] is None else f"{split['total_s']:.2f} s lost"
+    notes = "; ".join(p["note"] for p in split["parts"] if p["note"])
+    return f"{total}: " + ", ".join(parts) + (f" [{notes}]" if notes else "")
+
+
+def table(splits: list[dict]) -> str:
+    """Seconds lost per failure, one row each, one column per part; a part merged with the one before it
+    (a boundary between them was not recorded) shows `<`, one not measured `-`."""
+    widths = [max(len(n), 7) for n in PARTS]
+    rows = [f"{'failure':<40} {'total':>7} " + " ".join(f"{n:>{w}}" for n, w in zip(PARTS, widths))]
+    for s in splits:
+        cells = {}
+        for p in s["parts"]:
+            first, *rest = p["part"].split(" + ")
+            cells[first] = "-" if p["seconds"] is None else f"{p['seconds']:.3f}"
+            cells.update((n, "<") for n in rest)
+        total = "-" if s["total_s"] is None else f"{s['total_s']:.2f}"
+        rows.append(f"{s['failure'][:40]:<40} {total:>7} "
+                    + " ".join(f"{cells[n]:>{w}}" for n, w in zip(PARTS, widths)))
+    return "\n".join(rows)
