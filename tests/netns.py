@@ -154,14 +154,16 @@ class Network:
         self.faults[node] = fault
         return fault
 
-    def loss(self, node: int, percent: float = 3.0, rate_bps: int = 200_000_000) -> Fault:
+    def loss(self, node: int, percent: float = 3.0, rate_bps: int = 100_000_000) -> Fault:
         """Drop some of node's packets both ways: netem at `percent`, or tbf whose short queue overflows."""
         if netem_available(self.host_end(node)):
             self._qdisc(node, "netem", "loss", f"{percent}%")
             fault = Fault("netem loss", node)
         else:
             burst = 16 << 10
-            self._qdisc(node, "tbf", "rate", str(rate_bps), "burst", str(burst), "limit", str(3 * 1514))
+            # 30 kB of queue: a bulk flow loses about a sixth of its packets, which fast retransmit repairs (a
+            # queue of a few packets drops nearly all of a GSO burst and stalls TCP in timeouts instead).
+            self._qdisc(node, "tbf", "rate", str(rate_bps), "burst", str(burst), "limit", "30000")
             fault = Fault("tbf queue overflow loss", node, rate_bps=rate_bps, burst=burst)
         self.faults[node] = fault
         return fault
