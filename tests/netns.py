@@ -128,59 +128,53 @@ class Network:
     def heal(self, node: int) -> None:
         _ip("link", "set", self.host_end(node), "master", self.bridge)
 
-    def _ends(self, node: int) -> list[list[str]]:
-        """`tc ... dev` arguments for both ends of the node's veth pair: into the node, out of it."""
-        return [["dev", self.host_end(node)], ["-n", self.namespace(node), "dev", "eth0"]]
+    def _tc_both(self, node: int, *args: str) -> list[subprocess.CompletedProcess]:
+        """`tc OPTIONS... OBJECT COMMAND... dev D ...REST` on both ends of the node's veth pair (into the node, out
+        of it); `args` holds "{dev}" where the device goes."""
+        out = []
+        for options, dev in (([], self.host_end(node)), (["-n", self.namespace(node)], "eth0")):
+            out.append(_tc(*options, *(dev if a == "{dev}" else a for a in args)))
+        return out
 
-    def _qdisc(self, node: int, *spec: str) -> None:
-        for end in self._ends(node):
-            if end[0] == "-n":
-                cmd = ["-n", end[1], "qdisc", "replace", *end[2:], "root", *spec]
-            else:
-                cmd = ["qdisc", "replace", *end, "root", *spec]
-            done = _tc(*cmd)
+    def _shape(self, node: int, netem: list[str], tbf: list[str], fault: Fault, stand_in: Fault) -> Fault:
+        """Put netem `netem` on node's links where the kernel has it, else tbf `tbf` (described by `stand_in`)."""
+        spec = ["netem", *netem]
+        if not netem_available(self.host_end(node)):
+            fault, spec = stand_in, ["tbf", *tbf]
+        for done in self._tc_both(node, "qdisc", "replace", "dev", "{dev}", "root", *spec):
             if done.returncode:
-                raise RuntimeError(f"tc {' '.join(cmd)}: {done.stderr.strip()}")
+                raise RuntimeError(f"tc {' '.join(done.args[1:])}: {done.stderr.strip()}")
+        self.faults[node] = fault
+        return fault
 
     def latency(self, node: int, delay_s: float = 0.2, rate_bps: int = 16_000_000) -> Fault:
         """Delay node's traffic both ways: netem by `delay_s`, or tbf queueing behind `rate_bps`."""
-        if netem_available(self.host_end(node)):
-            self._qdisc(node, "netem", "delay", f"{int(delay_s * 1000)}ms")
-            fault = Fault("netem delay", node, delay_s=delay_s)
-        else:
-            burst = 16 << 10
-            self._qdisc(node, "tbf", "rate", str(rate_bps), "burst", str(burst), "latency", "2s")
-            fault = Fault("tbf queueing delay", node, rate_bps=rate_bps, burst=burst)
-        self.faults[node] = fault
-        return fault
+        burst = 16 << 10
+        return self._shape(node, ["delay", f"{int(delay_s * 1000)}ms"],
+                           ["rate", str(rate_bps), "burst", str(burst), "latency", "2s"],
+                           Fault("netem delay", node, delay_s=delay_s),
+                           Fault("tbf queueing delay", node, rate_bps=rate_bps, burst=burst))
 
     def loss(self, node: int, percent: float = 3.0, rate_bps: int = 100_000_000) -> Fault:
         """Drop some of node's packets both ways: netem at `percent`, or tbf whose short queue overflows."""
-        if netem_available(self.host_end(node)):
-            self._qdisc(node, "netem", "loss", f"{percent}%")
-            fault = Fault("netem loss", node)
-        else:
-            burst = 16 << 10
-            # 30 kB of queue: a bulk flow loses about a sixth of its packets, which fast retransmit repairs (a
-            # queue of a few packets drops nearly all of a GSO burst and stalls TCP in timeouts instead).
-            self._qdisc(node, "tbf", "rate", str(rate_bps), "burst", str(burst), "limit", "30000")
-            fault = Fault("tbf queue overflow loss", node, rate_bps=rate_bps, burst=burst)
-        self.faults[node] = fault
-        return fault
+        burst = 16 << 10
+        # 30 kB of queue: a bulk flow loses about a sixth of its packets, which fast retransmit repairs (a queue
+        # of a few packets drops nearly all of a GSO burst and stalls TCP in timeouts instead).
+        return self._shape(node, ["loss", f"{percent}%"],
+                           ["rate", str(rate_bps), "burst", str(burst), "limit", "30000"],
+                           Fault("netem loss", node), Fault("tbf queue overflow loss", node, rate_bps=rate_bps,
+                                                            burst=burst))
 
     def clear(self, node: int) -> None:
-        for end in self._ends(node):
-            cmd = ["-n", end[1], "qdisc", "del", *end[2:], "root"] if end[0] == "-n" else ["qdisc", "del", *end, "root"]
-            _tc(*cmd)
+        self._tc_both(node, "qdisc", "del", "dev", "{dev}", "root")
         self.faults.pop(node, None)
 
     def stats(self, node: int) -> list[dict]:
         """Counters of node's root qdiscs, one dict per end (into the node, out of it): sent bytes, dropped and
         delayed (overlimits) packets."""
         out = []
-        for end in self._ends(node):
-            cmd = ["-n", end[1], "-s", "qdisc", "show", *end[2:]] if end[0] == "-n" else ["-s", "qdisc", "show", *end]
-            m = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)", _tc(*cmd).stdout)
+        for done in self._tc_both(node, "-s", "qdisc", "show", "dev", "{dev}"):
+            m = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)", done.stdout)
             out.append(dict(zip(("sent", "dropped", "overlimits"), map(int, m.groups() if m else (0, 0, 0)))))
         return out
 
