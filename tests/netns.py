@@ -85,7 +85,6 @@ class Network:
         self.nodes = nodes
         self.subnet = f"10.99.{int(self.tag, 16) % 250}"
         self.bridge = f"nf{self.tag}br"
-        self.faults: dict[int, Fault] = {}
         self._made: list[tuple] = []
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
@@ -144,7 +143,6 @@ class Network:
         for done in self._tc_both(node, "qdisc", "replace", "dev", "{dev}", "root", *spec):
             if done.returncode:
                 raise RuntimeError(f"tc {' '.join(done.args[1:])}: {done.stderr.strip()}")
-        self.faults[node] = fault
         return fault
 
     def latency(self, node: int, delay_s: float = 0.2, rate_bps: int = 16_000_000) -> Fault:
@@ -167,7 +165,6 @@ class Network:
 
     def clear(self, node: int) -> None:
         self._tc_both(node, "qdisc", "del", "dev", "{dev}", "root")
-        self.faults.pop(node, None)
 
     def stats(self, node: int) -> list[dict]:
         """Counters of node's root qdiscs, one dict per end (into the node, out of it): sent bytes, dropped and
