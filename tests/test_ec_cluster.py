@@ -32,11 +32,11 @@ def make_cluster(job, runtime, m):
     return SimulatedCluster(G, RANKS_PER_NODE, job, 64 << 20, str(runtime / "logs"), parity=m).start()
 
 
-def write_step(cluster, step, seed=0):
+def write_step(cluster, step, seed=0, size=50_000):
     """Commit `step` on every rank with random tensor bytes of a per-rank size, then declare it complete."""
     rng = np.random.default_rng(seed + step)
     for rank in range(cluster.world_size):
-        n = 50_000 + 7919 * rank  # unequal nodes: exercises the padding
+        n = size + 7919 * rank  # unequal nodes: exercises the padding
         data = rng.integers(0, 256, n, dtype=np.uint8)
         manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": cluster.world_size,
                     "leaves": [{"o": 0, "n": n, "h": to_hex(checksum(data)), "dt": "uint8", "sh": [n]}]}
@@ -60,7 +60,7 @@ def write_step(cluster, step, seed=0):
 def node_bytes(cluster, node):
     """Every slot (used bytes) and parity segment of a node: name without generation -> bytes."""
     out = {}
-    for rank in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE):
+    for rank in range(node * cluster.ranks_per_node, (node + 1) * cluster.ranks_per_node):
         for entry in control.call(cluster.socket_path(node), "list", rank=rank)["slots"]:
             with open(path_of(entry["segment"]), "rb") as f:
                 header = seg.Header.read(f.read(seg.HEADER_SIZE))

@@ -158,6 +158,8 @@ class SlotReads:
         try:
             reply, raw = self.peers.call(node, header)
         except PeerUnavailable as e:
+            # Once per listing, not per read: a catalog or pull lists before it reads.
+            log.warning("smp node=%d event=via_parity node=%d reason=%s", self.node, node, e)
             reply, raw = self._via_parity(node, {**header, "op": "lost_slots", "lost": node}, e)
         return reply["entries"], raw.tobytes()
 

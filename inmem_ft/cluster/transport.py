@@ -40,6 +40,11 @@ MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 32
 PIECE = 1 << 20  # bytes per token-bucket grant and per MAC update: the cap is smooth, the piece still in cache
 HANDSHAKE_S = 5.0  # a connection that has not authenticated by then is dropped
+# A peer cut off by the network sends nothing back: no reset, no FIN. Without these bounds a connect waits for
+# the kernel's SYN retries (about two minutes) and a kept-open link until the reply timeout.
+CONNECT_S = 5.0  # a connect not answered by then: the peer's host is down or cut off
+SILENT_S = 10.0  # bytes sent and not acknowledged, or keepalives unanswered, this long: the peer is gone
+QUIET_S = 5.0  # a peer that timed out is not dialled again for this long: each call would wait CONNECT_S anew
 
 
 class PeerUnavailable(InmemFTError):
@@ -216,6 +221,17 @@ def server_handshake(sock, secret: bytes, job: str, node: int, bucket: TokenBuck
     return Channel(sock, _mac(secret, "session", ns, nc), False, bucket), client
 
 
+def watch_liveness(sock) -> None:
+    """Let the kernel end a link whose peer went silent within about SILENT_S (TCP_USER_TIMEOUT bounds unacknowledged
+    bytes; keepalives probe a link that waits for a reply), while a slow peer that still acknowledges keeps it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 2)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 2)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, int(SILENT_S // 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(SILENT_S * 1000))
+
+
 def _drop(sock, late: threading.Event) -> None:
     late.set()
     try:
@@ -230,7 +246,7 @@ class PeerServer:
     def __init__(self, host: str, port: int, secret: bytes, job: str, node: int, handler, bucket: TokenBucket):
         class Handler(socketserver.BaseRequestHandler):
             def handle(self):
-                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                watch_liveness(self.request)
                 peer = "%s:%d" % self.request.getpeername()[:2]
                 # A bound on the whole handshake, not on each read: a peer trickling bytes is dropped too.
                 late = threading.Event()
@@ -245,7 +261,7 @@ class PeerServer:
                     return
                 finally:
                     timer.cancel()
-                self.request.settimeout(3600)  # a peer that vanished without a FIN
+                self.request.settimeout(3600)  # an idle peer; one that vanished is ended by watch_liveness
                 try:
                     while True:
                         header, payload = channel.recv()
@@ -284,17 +300,25 @@ class PeerClient:
         self.bucket, self.timeout_s = bucket, timeout_s
         self._channel: Channel | None = None
         self._lock = threading.Lock()
+        self._timed_out: tuple[float, str] | None = None  # (monotonic time, why) of the last timeout
 
     def call(self, header: dict, pieces=(), into: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
         with self._lock:
-            # A kept-open connection may have died with a peer that was since replaced: retry once, fresh
-            # (every peer operation only reads, so repeating one is harmless).
+            if self._timed_out and time.monotonic() - self._timed_out[0] < QUIET_S:
+                raise PeerUnavailable(f"{self._timed_out[1]} ({time.monotonic() - self._timed_out[0]:.1f} s ago; "
+                                      f"not dialled again until {QUIET_S:.0f} s after that)")
+            self._timed_out = None
+            # A kept-open connection may have died with a peer that was since replaced, or cut off meanwhile:
+            # retry once, fresh (every peer operation only reads, so repeating one is harmless). Not when this
+            # attempt itself waited: a silent peer would only be waited for twice.
             retries = 1 if self._channel is not None else 0
             for attempt in range(retries + 1):
+                began = time.monotonic()
                 try:
                     if self._channel is None:
-                        sock = socket.create_connection(self.addr, timeout=self.timeout_s)
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                        sock = socket.create_connection(self.addr, timeout=CONNECT_S)
+                        sock.settimeout(self.timeout_s)
+                        watch_liveness(sock)
                         try:
                             self._channel = client_handshake(sock, self.secret, self.job, self.node, self.peer,
                                                              "%s:%d" % self.addr, self.bucket)
@@ -306,10 +330,12 @@ class PeerClient:
                     break
                 except (OSError, PeerUnavailable, ValueError, KeyError, TypeError) as e:
                     self._close_locked()
-                    if attempt < retries:
+                    if attempt < retries and time.monotonic() - began < CONNECT_S:
                         continue
-                    raise PeerUnavailable(f"peer node {self.peer} at {self.addr[0]}:{self.addr[1]} is unreachable "
-                                          f"or stopped answering ({e})") from None
+                    why = f"peer node {self.peer} at {self.addr[0]}:{self.addr[1]} {_why_unreachable(e, self.timeout_s)}"
+                    if isinstance(e, TimeoutError):
+                        self._timed_out = (time.monotonic(), why)
+                    raise PeerUnavailable(why) from None
                 except AuthError as e:
                     self._close_locked()
                     log.warning("transport node=%d event=refused peer=%d addr=%s:%d reason=%s", self.node,
@@ -328,3 +354,13 @@ class PeerClient:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+
+def _why_unreachable(e: Exception, reply_s: float) -> str:
+    if not isinstance(e, TimeoutError):
+        return f"is unreachable or stopped answering ({e})"
+    if e.errno is None:  # the socket's own timeout: on connect, or a live peer that sent no reply
+        return (f"did not answer within {CONNECT_S:.0f} s (connect) or {reply_s:.0f} s (reply): its host is down, "
+                f"cut off from this node, or overloaded")
+    return (f"went silent: the link sent no acknowledgement for {SILENT_S:.0f} s (its host is down or cut off from "
+            f"this node)")

@@ -23,16 +23,17 @@ def ping(socket_path: str) -> dict | None:
 
 def start(job: str, node: int, memory_budget: int, socket_path: str | None = None,
           log_path: str | None = None, wait_s: float = 30.0, extra_args: list[str] = (),
-          env: dict | None = None) -> subprocess.Popen:
+          env: dict | None = None, prefix: list[str] = ()) -> subprocess.Popen:
     """Start the daemon in its own session (it outlives the caller) and wait until it answers.
-    `extra_args`: more daemon arguments, e.g. cluster.options.ECOptions.argv()."""
+    `extra_args`: more daemon arguments, e.g. cluster.options.ECOptions.argv(); `prefix`: a command that runs it
+    and execs it in turn (`ip netns exec NS`, `numactl -N 0`), so the process returned is still the daemon."""
     socket_path = socket_path or paths.default_socket(job, node)
     if ping(socket_path):
         raise SMPUnavailable(f"an SMP already serves {socket_path}; stop it first (`inmem-ft smp stop`)")
     paths.make_private_dir(os.path.dirname(socket_path))
     log_path = log_path or paths.default_log(job, node)
     log = open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
-    cmd = [sys.executable, "-m", "inmem_ft.smp", "--job", job, "--node", str(node), "--socket", socket_path,
+    cmd = [*prefix, sys.executable, "-m", "inmem_ft.smp", "--job", job, "--node", str(node), "--socket", socket_path,
            "--memory-budget", str(memory_budget), *extra_args]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                             env=env)
