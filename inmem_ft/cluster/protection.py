@@ -38,13 +38,15 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 
 
 class Protector:
-    def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0, piece: int = rebuild.PIECE):
+    def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0, piece: int = rebuild.PIECE,
+                 max_read: int = MAX_PAYLOAD):
         self.smp, self.node, self.groups = smp, smp.node, groups
         # How long an empty SMP waits for unreachable peers before it concludes there is nothing to rebuild:
         # a re-queued job's SMPs start together, and a replacement asking before the survivors listen
         # would start empty.
         self.peer_wait_s = peer_wait_s
         self.piece = piece  # bytes per pull of a rebuild (cluster/rebuild.py)
+        self.max_read = max_read  # the largest range one node_read or chunk read of a peer may ask
         self.members, self.pos = groups.members(self.node), groups.position(self.node)
         missing = [n for n in self.members if n not in peers.addresses]
         if missing:
@@ -213,8 +215,8 @@ class Protector:
 
     def _node_read(self, peer, header, payload):
         off, length = int(header["off"]), int(header["len"])
-        if off < 0 or not 0 <= length <= MAX_PAYLOAD:
-            raise InmemFTError(f"read of {length} bytes at {off} is out of range")
+        if off < 0 or not 0 <= length <= self.max_read:
+            raise InmemFTError(f"read of {length} bytes at {off} is out of range (at most {self.max_read} bytes)")
         return {}, self._node_data(int(header["step"])).pieces(off, length)
 
     def _state(self, peer, header, payload):
@@ -233,6 +235,8 @@ class Protector:
         length = int(header.get("len", len(chunk) - off))
         if off < 0 or length < 0 or off + length > len(chunk):
             raise InmemFTError(f"bytes [{off}, {off + length}) leave parity chunk {i} of {len(chunk)} bytes")
+        if length > self.max_read:
+            raise InmemFTError(f"read of {length} bytes of parity chunk {i} is over the {self.max_read}-byte limit")
         return {}, [chunk[off: off + length]]
 
     def _parity(self, step: int) -> ParitySet:
