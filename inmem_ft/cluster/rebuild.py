@@ -190,14 +190,15 @@ class Rebuild:
             self._fill(reader, slots, ps, exclude)
             for rank, (_, _, head, slot) in slots.items():
                 # The header last: until then the slot is blank, never adopted as a snapshot.
-                self.smp.finish_copy(slot, head, f"node {node} rank {rank} step {self.step} (rebuilt from peers)")
-        except BaseException as e:
+                try:
+                    self.smp.finish_copy(slot, head, f"node {node} rank {rank} step {self.step} (rebuilt)")
+                except SnapshotCorrupt as e:
+                    raise VerifyFailed(str(e)) from None
+        except BaseException:
             for rank in slots:
                 self.smp.drop_slots(rank)
             if ps is not None:
                 ps.drop()
-            if isinstance(e, SnapshotCorrupt) and not isinstance(e, VerifyFailed):
-                raise VerifyFailed(str(e)) from None
             raise
         ps.seal(PROTECTED)
         return sorted(index), ps
