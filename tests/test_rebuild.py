@@ -1,7 +1,9 @@
 """Issue 11, item 4: a replacement SMP rebuilds its node in bounded pieces straight into its segments, an SMP
-killed mid-rebuild starts it over cleanly, and a survivor serving corrupt bytes is left out while another
+killed mid-rebuild resumes it (or starts it over when the group moved on), and a survivor serving corrupt bytes is left out while another
 block of the stripe is used. Real SMPs on loopback, compared byte for byte with what the lost node held."""
 import dataclasses
+import json
+import re
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from inmem_ft.cluster import nodedata
 from inmem_ft.ec.stripes import StripeLayout
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control, paths
-from inmem_ft.smp.segments import names_with_prefix, path_of
+from inmem_ft.smp.segments import names_with_prefix, path_of, read_record, write_record
 from inmem_ft.snapshot import segment as seg
 
 LOST = 1
@@ -56,30 +58,35 @@ def test_a_rebuild_in_tiny_pieces_is_byte_identical(job, runtime):
         cluster.stop()
 
 
-def test_an_smp_killed_mid_rebuild_starts_it_over_and_completes(job, runtime):
+@pytest.mark.parametrize("then", ["resume", pytest.param("restart", marks=pytest.mark.slow)])
+def test_an_smp_killed_mid_rebuild_resumes_or_restarts_and_completes(job, runtime, then):
     cluster = cluster_with(job, runtime, 1, 64)  # 64-byte pieces: thousands of round trips, seconds to kill in
     try:
         original = two_protected_steps(cluster)
         cluster.lose_node(LOST)
         cluster.start_smp(LOST)
-        prefix = f"inmemft.{job}.n{LOST}."
-        deadline = time.monotonic() + 30
-        while not any(paths.parse_segment_name(n) for n in names_with_prefix(prefix)):  # its slots exist: the stream is under way
-            assert time.monotonic() < deadline, "the rebuild never allocated its slots"
+        prefix, record = f"inmemft.{job}.n{LOST}.", paths.rebuild_record_name(job, LOST)
+        deadline = time.monotonic() + 60
+        while json.loads(read_record(record) or "{}").get("done", 0) == 0:  # well under way
+            assert time.monotonic() < deadline, "the rebuild never recorded any progress"
             time.sleep(0.01)
-        assert control.call(cluster.socket_path(LOST), "status")["ec"]["rebuild"] == "running"
         cluster.kill_smp(LOST)  # SIGKILL, memory kept
-        assert f"{prefix}rebuild" in names_with_prefix(prefix)
+        assert read_record(record), "the rebuild finished before it was killed"
         for name in names_with_prefix(prefix):  # nothing half-written looks like a snapshot
             if paths.parse_segment_name(name):
                 with open(path_of(name), "rb") as f:
                     assert seg.is_blank(f.read(seg.HEADER_SIZE)), name
+        if then == "restart":  # a record that does not match what the group holds now
+            write_record(record, json.dumps({**json.loads(read_record(record)), "step": 1}))
         cluster.ec = dataclasses.replace(cluster.ec, rebuild_piece=None)
         cluster.start_smp(LOST)
         assert rebuilt(cluster) == original
         log = smp_log(runtime)
-        assert "event=rebuild_restart step=2" in log and log.count("event=rebuilt step=2") == 1
-        assert f"{prefix}rebuild" not in names_with_prefix(prefix)
+        if then == "resume":
+            assert re.search(r"event=rebuild_resume step=2 .* from=(\d+)", log)[1] != "0"
+        else:
+            assert "event=rebuild_restart step=1" in log and log.count("event=rebuild_start step=2") == 2
+        assert log.count("event=rebuilt step=2") == 1 and read_record(record) is None
     finally:
         cluster.stop()
 

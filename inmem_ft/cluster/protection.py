@@ -27,7 +27,7 @@ from ..ec.stripes import StripeLayout, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
 from . import nodedata, paritystore, rebuild
 from .groups import Groups
-from .paritystore import BUILT, PROTECTED, ParitySet
+from .paritystore import BUILDING, BUILT, PROTECTED, ParitySet
 from .peers import Peers
 from .rebuild import StripeReader
 from .transport import MAX_PAYLOAD, PeerUnavailable
@@ -70,7 +70,7 @@ class Protector:
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def adopt(self) -> None:
-        sets, discarded, refused = paritystore.adopt(self.smp.prefix)
+        sets, discarded, refused = paritystore.adopt(self.smp.prefix, rebuild.interrupted(self.smp) is not None)
         for why in discarded:
             log.warning("ec node=%d event=discard parity=%s", self.node, why)
         for why in refused:
@@ -272,17 +272,11 @@ class Protector:
     # ---- rebuilding ----------------------------------------------------------------------------------
     def _rebuild_if_empty(self) -> None:
         try:
-            was = rebuild.interrupted(self.smp.prefix)
-            if was is not None:
-                # Whatever the interrupted rebuild installed is dropped: it starts over from the group.
-                log.warning("ec node=%d event=rebuild_restart step=%s reason=the SMP stopped during a rebuild; "
-                            "dropping what it installed and rebuilding again", self.node, was.get("step"))
-                with self.smp.lock:
-                    self.smp.wipe()
+            was = rebuild.interrupted(self.smp)
             with self.smp.lock:
-                empty = not self.smp.committed() and not self.sets
-            if empty:
-                self._rebuild()
+                empty = not self.smp.committed() and all(ps.state == BUILDING for ps in self.sets.values())
+            if empty or was is not None:
+                self._rebuild(was)
         except (InmemFTError, ValueError, OSError) as e:
             self.rebuild_error = str(e)
             log.error("ec node=%d event=rebuild_failed reason=%s", self.node, e)
@@ -307,9 +301,15 @@ class Protector:
             time.sleep(0.5)
         return states
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, was: dict | None) -> None:
+        """`was`: the record of a rebuild this node's previous SMP did not finish, or None."""
         states = {n: st for n, st in self._peer_states().items() if not st["rebuilding"] and st["built"]}
         if not states:
+            if was is not None:
+                rebuild.forget(self.smp)
+                raise SnapshotLost(f"node {self.node} was rebuilding step {was.get('step')} when its SMP stopped, "
+                                   f"and no member of EC group {self.members} holds parity now; restore the job "
+                                   f"from the next tier (disk)")
             return  # a fresh job: nobody holds parity yet
         lost = [n for n in self.members if n not in states]
         usable = set.intersection(*({int(s) for s in st["built"]} & set(st["data"]) for st in states.values()))
@@ -319,4 +319,4 @@ class Protector:
                 f"parity m={self.groups.m} tolerates at most {self.groups.m}: the in-memory snapshot of node "
                 f"{self.node} cannot be rebuilt; restore the job from the next tier (disk)")
         step = max(usable)
-        rebuild.Rebuild(self, step, next(iter(states.values()))["built"][str(step)], lost, self.piece).run()
+        rebuild.Rebuild(self, step, next(iter(states.values()))["built"][str(step)], lost, self.piece, was).run()

@@ -8,9 +8,12 @@ headers, decoded first). Memory: its own segments plus k + m piece buffers, what
 message carries more than one piece, so a node of any size stays under the transport's payload cap.
 
 Never half: each slot's header (its first 4096 bytes) is held aside and written once every other byte is in
-place and verified, so an interrupted rebuild leaves blank slots and a parity set still `building`, which a
-restarted SMP discards. A record beside the segments (`<prefix>rebuild`) says a rebuild is under way: a
-restarted SMP that finds it also drops whatever the interrupted rebuild had installed and starts over.
+place, then the slot is verified, so until the end a slot is blank and the parity set `building`: nothing
+half-built is served or adopted as a snapshot. A record beside the segments (`<prefix>rebuild`) says how far
+the rebuild got (rewritten every RECORD_EVERY_S). An SMP killed mid-rebuild and restarted keeps those blank
+slots and that parity set, and resumes from the record when the group still holds the same step with the same
+layout and every segment is still there at its size (event=rebuild_resume from=BYTES); otherwise it drops
+them and starts over (event=rebuild_restart). Either way every slot is verified before it is installed, and
 `event=rebuilt` is logged only when every slot verified and the parity is sealed.
 
 Bad survivors: one that is unreachable, refuses (its parity chunk fails its checksum) or sends bytes failing
@@ -31,14 +34,16 @@ import numpy as np
 from tqdm import tqdm
 
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
+from ..smp import paths
 from ..smp.segments import read_record, unlink, write_record
 from ..snapshot import segment as seg
 from . import nodedata
-from .paritystore import PROTECTED, ParitySet
+from .paritystore import BUILDING, PROTECTED, ParitySet
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 8 << 20  # default bytes per pull: amortises a round trip, bounds memory to k + m of them
 PROGRESS_EVERY_S = 5.0  # how often an operator sees event=rebuild_progress
+RECORD_EVERY_S = 0.5  # how often the record says how far the rebuild got (what a restart resumes from)
 
 
 class StripeReader:
@@ -109,29 +114,44 @@ class VerifyFailed(SnapshotCorrupt):
 
 
 class Rebuild:
-    """One rebuild of node `protector.node`'s data and parity at `step` (its group's parity `record`)."""
+    """One rebuild of node `protector.node`'s data and parity at `step` (its group's parity `record`); `was`:
+    the record of a rebuild of this node that its previous SMP did not finish (it resumes where that one got
+    when it rebuilt the same step from the same group), or None."""
 
-    def __init__(self, protector, step: int, record: dict, lost: list[int], piece: int):
+    def __init__(self, protector, step: int, record: dict, lost: list[int], piece: int, was: dict | None = None):
         self.p, self.smp, self.step, self.record = protector, protector.smp, step, record
         self.layout, self.pos, self.piece = protector.layout, protector.pos, piece
         self.cs = self.layout.chunk_size(record["padded"])
         self.length = record["lens"][self.pos]
         self.lost = lost
-        self.record_name = record_name(self.smp.prefix)
+        self.was = was
+        same = was is not None and was.get("step") == step and was.get("group") == record_group(record)
+        self.resume_at = int(was.get("done", 0)) if same else 0
 
     def run(self) -> None:
-        write_record(self.record_name, json.dumps({"step": self.step, "lost": self.lost}))
+        if self.was is not None and not self.resume_at:
+            log.warning("ec node=%d event=rebuild_restart step=%s reason=the SMP stopped during a rebuild that "
+                        "cannot be resumed (another step, group or nothing done); dropping what it installed",
+                        self.p.node, self.was.get("step"))
+            with self.smp.lock:
+                self.smp.wipe()
+        self._note(self.resume_at)
         try:
             self._run()
         finally:
             # Only a killed SMP leaves the record behind: a failed rebuild already dropped what it installed,
             # and snapshots written after it must not be wiped by the next restart.
-            unlink(self.record_name)
+            forget(self.smp)
+
+    def _note(self, done: int) -> None:
+        write_record(paths.rebuild_record_name(self.smp.job, self.smp.node), json.dumps(
+            {"step": self.step, "lost": self.lost, "group": record_group(self.record), "done": done}))
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        log.info("ec node=%d event=rebuild_start step=%d lost=%s bytes=%d piece=%d", self.p.node, self.step,
-                 self.lost, self.length, self.piece)
+        log.info("ec node=%d event=%s step=%d lost=%s bytes=%d piece=%d from=%d", self.p.node,
+                 "rebuild_resume" if self.resume_at else "rebuild_start", self.step, self.lost, self.length,
+                 self.piece, self.resume_at)
         survivors = [n for n in self.p.members if n not in self.lost]
         spare = len(survivors) > self.layout.k  # a choice of blocks: one survivor can be left out
         with ThreadPoolExecutor(self.layout.k, thread_name_prefix="inmem_ft-ec-rebuild") as pool:
@@ -141,7 +161,7 @@ class Rebuild:
                 if exclude and exclude[0] in reader.bad:
                     continue  # already skipped by every attempt
                 try:
-                    ranks, ps = self._attempt(reader, exclude)
+                    ranks, ps = self._attempt(reader, exclude, 0 if exclude else self.resume_at)
                     break
                 except VerifyFailed as e:
                     failures.append(f"{'without node %d' % exclude[0] if exclude else 'all survivors'}: {e}")
@@ -159,8 +179,9 @@ class Rebuild:
         log.info("ec node=%d event=rebuilt step=%d ranks=%s bytes=%d seconds=%.3f", self.p.node, self.step,
                  sorted(ranks), self.length, time.perf_counter() - t0)
 
-    def _attempt(self, reader: StripeReader, exclude) -> tuple[list[int], ParitySet]:
-        """Decode, write and verify every slot and the parity once; on any failure nothing stays installed."""
+    def _attempt(self, reader: StripeReader, exclude, done: int) -> tuple[list[int], ParitySet]:
+        """Decode, write and verify every slot and the parity once, going on from byte `done` of the stream
+        (_fill) when the interrupted rebuild's segments are all still here; on a failure nothing stays."""
         node = self.p.node
         where = f"node {node}'s data of step {self.step} (rebuilt{', without node %d' % exclude[0] if exclude else ''})"
 
@@ -184,10 +205,18 @@ class Rebuild:
                 if header is None or header.state != seg.COMMITTED or header.data_off + header.data_len != used:
                     raise VerifyFailed(f"{where}: rank {rank}'s slot header fails its checks")
                 size = seg.slot_size(header.manifest_len, header.data_len)
-                slots[rank] = (start, used, head, self.smp.reserve_copy(rank, size, "peer reconstruction", 0))
-            ps = ParitySet.create(self.smp.prefix, self.step, self.layout.m, self.cs,
-                                  {**record_group(self.record), "ranks": sorted(index)})
-            self._fill(reader, slots, ps, exclude)
+                slot = self._kept_slot(rank, size)
+                if slot is None:
+                    done = 0  # this slot starts empty: nothing before can be skipped
+                    slot = self.smp.reserve_copy(rank, size, "peer reconstruction", 0)
+                slots[rank] = (start, used, head, slot)
+            with self.smp.lock:
+                ps = self.p.sets.pop(self.step, None)
+            if ps is None or ps.state != BUILDING or ps.record["chunk_size"] != self.cs:
+                done = 0
+                ps = ParitySet.create(self.smp.prefix, self.step, self.layout.m, self.cs,
+                                      {**record_group(self.record), "ranks": sorted(index)})
+            self._fill(reader, slots, ps, exclude, done)
             for rank, (_, _, head, slot) in slots.items():
                 # The header last: until then the slot is blank, never adopted as a snapshot.
                 try:
@@ -203,39 +232,47 @@ class Rebuild:
         ps.seal(PROTECTED)
         return sorted(index), ps
 
-    def _fill(self, reader: StripeReader, slots: dict, ps: ParitySet, exclude) -> None:
-        """Every byte of the node data past the index, and the parity chunks, piece by piece."""
+    def _kept_slot(self, rank: int, size: int):
+        """The blank slot 0 of `rank` that the interrupted rebuild was filling, if it is the size needed."""
+        if not self.resume_at:
+            return None
+        with self.smp.lock:
+            slot = self.smp.slots.get(rank, [None])[0]
+        return slot if slot is not None and slot.segment.size == size else None
+
+    def _fill(self, reader: StripeReader, slots: dict, ps: ParitySet, exclude, done: int) -> None:
+        """Every byte of the node data past the index, then the parity chunks, piece by piece: the stream's
+        byte p is byte p of the node data for p < k*cs, else of parity chunk (p - k*cs) // cs. Pieces that end
+        by `done` were written before the SMP was killed and are skipped; the record keeps `done` current."""
         total = (self.layout.k + self.layout.m) * self.cs
         parts = [(start + seg.HEADER_SIZE, start + used, slot.segment.buf, start)
                  for start, used, _, slot in slots.values() if used > seg.HEADER_SIZE]
         buf = np.empty(min(self.piece, self.cs), dtype=np.uint8)
-        last = time.monotonic()
-        with tqdm(total=total, desc=f"rebuild node {self.p.node} step {self.step}", unit="B", unit_scale=True,
-                  file=sys.stderr, mininterval=0.5) as bar:
-            for c in range(self.layout.k):
-                for a in range(0, self.cs, self.piece):
-                    lo, n = c * self.cs + a, min(self.piece, self.cs - a)
-                    if any(s < lo + n and e > lo for s, e, _, _ in parts):
-                        self._stream(reader, lo, buf[:n], exclude)
-                        for s, e, dst, base in parts:
-                            x, y = max(s, lo), min(e, lo + n)
-                            if x < y:
-                                dst[x - base: y - base] = buf[x - lo: y - lo]
-                    bar.update(n)
-                    last = self._progress(bar, total, last)
-            for i, (stripe, p) in enumerate(self.layout.parity_for_node(self.pos)):
-                chunk = ps.chunk(i)
-                for a in range(0, self.cs, self.piece):
-                    n = min(self.piece, self.cs - a)
-                    reader.decode(stripe, self.layout.k + p, a, chunk[a: a + n], exclude)
-                    bar.update(n)
-                    last = self._progress(bar, total, last)
-
-    def _progress(self, bar, total: int, last: float) -> float:
-        if time.monotonic() - last < PROGRESS_EVERY_S:
-            return last
-        log.info("ec node=%d event=rebuild_progress step=%d done=%d of=%d", self.p.node, self.step, bar.n, total)
-        return time.monotonic()
+        k, said, noted = self.layout.k, time.monotonic(), time.monotonic()
+        with tqdm(total=total, initial=done, desc=f"rebuild node {self.p.node} step {self.step}", unit="B",
+                  unit_scale=True, file=sys.stderr, mininterval=0.5) as bar:
+            for c, a in ((c, a) for c in range(k + self.layout.m) for a in range(0, self.cs, self.piece)):
+                pos, n = c * self.cs + a, min(self.piece, self.cs - a)
+                if pos + n <= done:
+                    continue
+                if c < k and any(s < pos + n and e > pos for s, e, _, _ in parts):
+                    self._stream(reader, pos, buf[:n], exclude)
+                    for s, e, dst, base in parts:
+                        x, y = max(s, pos), min(e, pos + n)
+                        if x < y:
+                            dst[x - base: y - base] = buf[x - pos: y - pos]
+                elif c >= k:
+                    stripe, p = self.layout.parity_for_node(self.pos)[c - k]
+                    reader.decode(stripe, k + p, a, ps.chunk(c - k)[a: a + n], exclude)
+                bar.update(n)
+                now = time.monotonic()
+                if now - noted >= RECORD_EVERY_S:
+                    self._note(pos + n)
+                    noted = now
+                if now - said >= PROGRESS_EVERY_S:
+                    log.info("ec node=%d event=rebuild_progress step=%d done=%d of=%d", self.p.node, self.step,
+                             bar.n, total)
+                    said = now
 
     def _stream(self, reader: StripeReader, off: int, out: np.ndarray, exclude) -> None:
         """Node-data bytes [off, off+len(out)) of this node, decoded piece by piece across its chunks."""
@@ -248,19 +285,19 @@ class Rebuild:
             pos += n
 
 
-def record_name(prefix: str) -> str:
-    return f"{prefix}rebuild"
-
-
-def interrupted(prefix: str) -> dict | None:
-    """The record of a rebuild that never finished (the SMP was killed during it), or None."""
-    text = read_record(record_name(prefix))
+def interrupted(smp) -> dict | None:
+    """The record of a rebuild of this node that never finished (its SMP was killed during it), or None."""
+    text = read_record(paths.rebuild_record_name(smp.job, smp.node))
     if text is None:
         return None
     try:
         return json.loads(text)
     except ValueError:
         return {}
+
+
+def forget(smp) -> None:
+    unlink(paths.rebuild_record_name(smp.job, smp.node))
 
 
 def record_group(record: dict) -> dict:

@@ -135,6 +135,10 @@ class SMP:
 
     def adopt_existing(self) -> None:
         self._read_complete()
+        try:
+            rebuilding = read_record(paths.rebuild_record_name(self.job, self.node)) is not None
+        except ForeignSegment:
+            rebuilding = False
         for name in names_with_prefix(self.prefix):
             parsed = paths.parse_segment_name(name)
             if parsed is None:
@@ -146,6 +150,12 @@ class SMP:
                 if index >= SLOTS_PER_RANK or slots[index] is not None:
                     raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
                 segment = Segment(name)
+                if seg.is_blank(segment.buf) and rebuilding:
+                    # A rebuild writes each slot's header last: it goes on with these (cluster/rebuild.py).
+                    slots[index] = Slot(segment, generation, "peer reconstruction")
+                    log.info("smp node=%d event=keep segment=%s reason=blank, a rebuild under way fills it",
+                             self.node, name)
+                    continue
                 if seg.is_blank(segment.buf):
                     log.info("smp node=%d event=empty segment=%s reason=slot reserved or discarded, holds "
                              "nothing", self.node, name)
