@@ -1,6 +1,7 @@
 """Issue 11, item 4: a replacement SMP rebuilds its node in bounded pieces straight into its segments, an SMP
-killed mid-rebuild resumes it (or starts it over when the group moved on), and a survivor serving corrupt bytes is left out while another
-block of the stripe is used. Real SMPs on loopback, compared byte for byte with what the lost node held."""
+killed mid-rebuild resumes it (or starts it over when the group moved on), and a survivor serving corrupt
+bytes is left out while another block of the stripe is used. Real SMPs on loopback, compared byte for byte
+with what the lost node held."""
 import dataclasses
 import json
 import re
