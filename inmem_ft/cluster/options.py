@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .. import units
 from ..errors import ConfigError
 from .groups import Groups
-from .transport import load_secret, parse_peers
+from .transport import MAX_PAYLOAD, load_secret, parse_peers
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class ECOptions:
     secret_file: str | None = None  # default: INMEM_FT_SECRET
     bandwidth: int | None = None  # bytes/s of outgoing parity traffic; None: uncapped
     peer_wait_s: float = 0.0  # an empty SMP waits this long for peers not yet listening (see Protector)
+    rebuild_piece: int | None = None  # bytes per pull when rebuilding a lost node; None: rebuild.PIECE
+    max_peer_read: int | None = None  # largest range one peer read may ask; None: transport.MAX_PAYLOAD
 
     def groups(self) -> Groups:
         if self.group_size is None:
@@ -39,6 +41,10 @@ class ECOptions:
             out += ["--ec-bandwidth", str(self.bandwidth)]
         if self.peer_wait_s:
             out += ["--peer-wait", str(self.peer_wait_s)]
+        if self.rebuild_piece:
+            out += ["--rebuild-piece", str(self.rebuild_piece)]
+        if self.max_peer_read:
+            out += ["--max-peer-read", str(self.max_peer_read)]
         return out
 
 
@@ -47,6 +53,12 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--parity", type=int, default=None, metavar="M",
                    help="lost nodes per EC group to survive; 0 turns erasure coding off (default: off, or "
                         "the parity of `smp start --config`)")
+    g.add_argument("--rebuild-piece", type=units.argparse_size, default=None, metavar="BYTES",
+                   help="bytes a replacement node pulls per stripe and survivor at a time while it rebuilds: its "
+                        "memory beyond its own segments is (group size) x this; a multiple of 64 (default: 8MiB)")
+    g.add_argument("--max-peer-read", type=units.argparse_size, default=None, metavar="BYTES",
+                   help="largest byte range this SMP serves to one parity or rebuild read of a peer; lowering it "
+                        "shows that rebuilds of any node size stay in pieces (default: 4GiB, one peer message)")
     g.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes in the job (default: none)")
     g.add_argument("--group-size", type=int, default=None, metavar="G",
                    help="nodes per EC group (consecutive node ids) (default: largest divisor of --nodes <= 8)")
@@ -73,7 +85,16 @@ def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> E
                           f"0=HOST:PORT,1=HOST:PORT,... (every node's SMP address), or --parity 0 for a "
                           f"single node without it")
     options = ECOptions(args.parity, args.nodes, args.peers, args.group_size, args.secret_file, args.ec_bandwidth,
-                        args.peer_wait)
+                        args.peer_wait, args.rebuild_piece, args.max_peer_read)
+    from .protection import PIECE as PULL_PIECE  # here: the CLI imports this module, not numpy
+
+    most = args.max_peer_read or MAX_PAYLOAD
+    if not PULL_PIECE <= most <= MAX_PAYLOAD:
+        raise ConfigError(f"--max-peer-read {most}: give {PULL_PIECE} (what protection pulls at a time) to "
+                          f"{MAX_PAYLOAD} (one peer message) bytes")
+    if args.rebuild_piece is not None and not (0 < args.rebuild_piece <= most and args.rebuild_piece % 64 == 0):
+        raise ConfigError(f"--rebuild-piece {args.rebuild_piece}: give a multiple of 64 bytes up to {most} "
+                          f"(--max-peer-read), e.g. 8MiB")
     try:
         groups = options.groups()
     except ValueError as e:
@@ -104,6 +125,8 @@ def make_peers(args: argparse.Namespace, node: int, job: str):
 
 
 def make_protector(smp, options: ECOptions, peers):
+    from . import rebuild
     from .protection import Protector
 
-    return Protector(smp, options.groups(), peers, options.peer_wait_s)
+    return Protector(smp, options.groups(), peers, options.peer_wait_s, options.rebuild_piece or rebuild.PIECE,
+                     options.max_peer_read or MAX_PAYLOAD)

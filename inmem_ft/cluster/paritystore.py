@@ -84,9 +84,10 @@ class ParitySet:
         self.segment.unlink()
 
 
-def adopt(prefix: str) -> tuple[list[ParitySet], list[str], list[str]]:
-    """Parity sets found in shared memory that are at least built; (sets, reasons for each one discarded,
-    reasons for each one refused: not written by an SMP of this user, so neither used nor deleted)."""
+def adopt(prefix: str, keep_building: bool = False) -> tuple[list[ParitySet], list[str], list[str]]:
+    """Parity sets found in shared memory that are at least built (or still building, with `keep_building`: a
+    rebuild goes on with it); (sets, reasons for each one discarded, reasons for each one refused: not written
+    by an SMP of this user, so neither used nor deleted)."""
     found, discarded, refused = [], [], []
     for name in names_with_prefix(prefix):
         if not _NAME.search(name):
@@ -100,7 +101,7 @@ def adopt(prefix: str) -> tuple[list[ParitySet], list[str], list[str]]:
             if n > RECORD or checksum(raw) != stored:
                 raise SnapshotCorrupt("record fails its checksum")
             record = json.loads(raw)
-            if record["state"] == BUILDING:
+            if record["state"] == BUILDING and not keep_building:
                 raise SnapshotCorrupt("it was still being built")
             found.append(ParitySet(segment, record))
         except ForeignSegment as e:

@@ -5,8 +5,9 @@ Runs inside the SMP, beside its control socket, in background threads:
   parity for, the k data chunks from their nodes in pieces, encodes its parity chunk into its own shared
   memory and seals it (built). The step is *protected* once every member reports it built; then the
   parity of older steps is dropped and the daemon may overwrite their slots.
-- rebuild, when an SMP starts with empty memory and its peers hold parity: it asks the survivors for
-  their chunks, decodes its node data and parity, and installs its ranks' slots, which restores verify.
+- rebuild, when an SMP starts with empty memory and its peers hold parity: it streams the survivors'
+  chunks in pieces, decodes its node data and parity straight into its segments and installs its ranks'
+  slots once they verify (cluster/rebuild.py).
 - decode_range, for reads of a lost member's slots (cluster/slotreads.py): any byte range of its node
   data, from the same range of k surviving chunks of each stripe it touches.
 
@@ -16,20 +17,19 @@ per transfer and a slow or dead peer only stalls the nodes that need it.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from tqdm import tqdm
 
-from ..ec.stripes import DATA, StripeLayout, rebuild, stripe_parity
+from ..ec.stripes import StripeLayout, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
-from . import nodedata, paritystore
+from . import nodedata, paritystore, rebuild
 from .groups import Groups
-from .paritystore import BUILT, PROTECTED, ParitySet
+from .paritystore import BUILDING, BUILT, PROTECTED, ParitySet
 from .peers import Peers
+from .rebuild import StripeReader
 from .transport import MAX_PAYLOAD, PeerUnavailable
 
 log = logging.getLogger("inmem_ft.ec")
@@ -38,12 +38,15 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 
 
 class Protector:
-    def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0):
+    def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0, piece: int = rebuild.PIECE,
+                 max_read: int = MAX_PAYLOAD):
         self.smp, self.node, self.groups = smp, smp.node, groups
         # How long an empty SMP waits for unreachable peers before it concludes there is nothing to rebuild:
         # a re-queued job's SMPs start together, and a replacement asking before the survivors listen
         # would start empty.
         self.peer_wait_s = peer_wait_s
+        self.piece = piece  # bytes per pull of a rebuild (cluster/rebuild.py)
+        self.max_read = max_read  # the largest range one node_read or chunk read of a peer may ask
         self.members, self.pos = groups.members(self.node), groups.position(self.node)
         missing = [n for n in self.members if n not in peers.addresses]
         if missing:
@@ -67,7 +70,7 @@ class Protector:
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def adopt(self) -> None:
-        sets, discarded, refused = paritystore.adopt(self.smp.prefix)
+        sets, discarded, refused = paritystore.adopt(self.smp.prefix, rebuild.interrupted(self.smp) is not None)
         for why in discarded:
             log.warning("ec node=%d event=discard parity=%s", self.node, why)
         for why in refused:
@@ -212,8 +215,8 @@ class Protector:
 
     def _node_read(self, peer, header, payload):
         off, length = int(header["off"]), int(header["len"])
-        if off < 0 or not 0 <= length <= MAX_PAYLOAD:
-            raise InmemFTError(f"read of {length} bytes at {off} is out of range")
+        if off < 0 or not 0 <= length <= self.max_read:
+            raise InmemFTError(f"read of {length} bytes at {off} is out of range (at most {self.max_read} bytes)")
         return {}, self._node_data(int(header["step"])).pieces(off, length)
 
     def _state(self, peer, header, payload):
@@ -232,6 +235,8 @@ class Protector:
         length = int(header.get("len", len(chunk) - off))
         if off < 0 or length < 0 or off + length > len(chunk):
             raise InmemFTError(f"bytes [{off}, {off + length}) leave parity chunk {i} of {len(chunk)} bytes")
+        if length > self.max_read:
+            raise InmemFTError(f"read of {length} bytes of parity chunk {i} is over the {self.max_read}-byte limit")
         return {}, [chunk[off: off + length]]
 
     def _parity(self, step: int) -> ParitySet:
@@ -253,46 +258,25 @@ class Protector:
     def decode_range(self, lost: int, step: int, start: int, length: int) -> np.ndarray:
         """Bytes [start, start+length) of member `lost`'s node data at `step`, decoded from the same byte
         range of k surviving chunks of each stripe it touches (RS works bytewise)."""
-        record = self._parity(step).record
-        cs, pos, m = record["chunk_size"], self.members.index(lost), self.groups.m
+        cs, pos, m = self._parity(step).record["chunk_size"], self.members.index(lost), self.groups.m
         if start < 0 or length < 0 or start + length > cs * self.layout.k:
             raise InmemFTError(f"bytes [{start}, {start + length}) leave node {lost}'s data at step {step}")
         out = np.zeros(length, dtype=np.uint8)
-        dead = {lost}
+        reader = StripeReader(self, step, cs, {lost})
         for c in range(start // cs, -(-(start + length) // cs)):
             a, b = max(start, c * cs), min(start + length, (c + 1) * cs)
-            if a >= b:
-                continue
-            stripe = self.layout.stripes[(pos - m - c) % self.layout.G]
-            sources = [(i, self.members[p], {"op": "node_read", "step": step, "off": ci * cs + a - c * cs,
-                                             "len": b - a}) for i, (p, ci) in enumerate(stripe.data) if i != c]
-            sources += [(self.layout.k + j, self.members[p], {"op": "chunk", "step": step, "stripe": stripe.index,
-                                                              "off": a - c * cs, "len": b - a})
-                        for j, p in enumerate(stripe.parity_nodes)]
-            blocks = {}
-            for block, node, header in sources:
-                if len(blocks) == self.layout.k:
-                    break
-                if node in dead:
-                    continue
-                try:
-                    blocks[block] = self.peers.call(node, header, into=np.empty(b - a, dtype=np.uint8))[1]
-                except PeerUnavailable:
-                    dead.add(node)
-            if len(blocks) < self.layout.k:
-                raise SnapshotLost(f"nodes {sorted(dead)} of EC group {self.members} are unreachable, more than "
-                                   f"its parity m={m} tolerates: node {lost}'s data of step {step} cannot be decoded; "
-                                   f"restore the job from the next tier (disk)")
-            self.layout.codec.decode(blocks, [c], {c: out[a - start: b - start]})
+            if a < b:
+                reader.decode((pos - m - c) % self.layout.G, c, a - c * cs, out[a - start: b - start])
         return out
 
     # ---- rebuilding ----------------------------------------------------------------------------------
     def _rebuild_if_empty(self) -> None:
         try:
+            was = rebuild.interrupted(self.smp)
             with self.smp.lock:
-                empty = not self.smp.slots and not self.sets
-            if empty:
-                self._rebuild()
+                empty = not self.smp.committed() and all(ps.state == BUILDING for ps in self.sets.values())
+            if empty or was is not None:
+                self._rebuild(was)
         except (InmemFTError, ValueError, OSError) as e:
             self.rebuild_error = str(e)
             log.error("ec node=%d event=rebuild_failed reason=%s", self.node, e)
@@ -317,9 +301,15 @@ class Protector:
             time.sleep(0.5)
         return states
 
-    def _rebuild(self) -> None:
+    def _rebuild(self, was: dict | None) -> None:
+        """`was`: the record of a rebuild this node's previous SMP did not finish, or None."""
         states = {n: st for n, st in self._peer_states().items() if not st["rebuilding"] and st["built"]}
         if not states:
+            if was is not None:
+                rebuild.forget(self.smp)
+                raise SnapshotLost(f"node {self.node} was rebuilding step {was.get('step')} when its SMP stopped, "
+                                   f"and no member of EC group {self.members} holds parity now; restore the job "
+                                   f"from the next tier (disk)")
             return  # a fresh job: nobody holds parity yet
         lost = [n for n in self.members if n not in states]
         usable = set.intersection(*({int(s) for s in st["built"]} & set(st["data"]) for st in states.values()))
@@ -329,39 +319,4 @@ class Protector:
                 f"parity m={self.groups.m} tolerates at most {self.groups.m}: the in-memory snapshot of node "
                 f"{self.node} cannot be rebuilt; restore the job from the next tier (disk)")
         step = max(usable)
-        record = next(iter(states.values()))["built"][str(step)]
-        cs = self.layout.chunk_size(record["padded"])
-        log.info("ec node=%d event=rebuild_start step=%d lost=%s bytes=%d", self.node, step, lost,
-                 record["lens"][self.pos])
-        with tqdm(total=self.layout.G * self.layout.k, desc=f"rebuild node {self.node} step {step}",
-                  unit="chunk", file=sys.stderr, mininterval=0.5) as bar:
-            def fetch(pos, kind, index):
-                node = self.members[pos]
-                if kind == DATA:
-                    out = self._read(node, step, index * cs, np.empty(cs, dtype=np.uint8))
-                else:
-                    out = self.clients[node].call({"op": "chunk", "step": step, "stripe": index})[1]
-                bar.update()
-                return out
-            try:
-                mine = rebuild(self.layout, [self.members.index(n) for n in lost], fetch)[self.pos]
-            except PeerUnavailable as e:
-                raise SnapshotLost(f"rebuilding node {self.node} from group {self.members} failed: {e}; restore "
-                                   f"the job from the next tier (disk)") from None
-        got_step, ranks = nodedata.split(mine.data[: record["lens"][self.pos]])
-        if got_step != step:
-            raise SnapshotCorrupt(f"rebuilt node data names step {got_step}, expected {step}")
-        for rank, raw in ranks.items():
-            self.smp.install_slot(rank, raw)
-        ps = ParitySet.create(self.smp.prefix, step, self.groups.m, cs,
-                              {**record_group(record), "ranks": sorted(ranks)})
-        for i, chunk in enumerate(mine.parity):
-            ps.chunk(i)[:] = chunk
-        ps.seal(PROTECTED)
-        with self.smp.lock:
-            self.sets[step], self.protected = ps, step
-        log.info("ec node=%d event=rebuilt step=%d ranks=%s", self.node, step, sorted(ranks))
-
-
-def record_group(record: dict) -> dict:
-    return {key: record[key] for key in ("members", "lens", "padded")}
+        rebuild.Rebuild(self, step, next(iter(states.values()))["built"][str(step)], lost, self.piece, was).run()

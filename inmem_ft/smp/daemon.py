@@ -135,6 +135,10 @@ class SMP:
 
     def adopt_existing(self) -> None:
         self._read_complete()
+        try:
+            rebuilding = read_record(paths.rebuild_record_name(self.job, self.node)) is not None
+        except ForeignSegment:
+            rebuilding = False
         for name in names_with_prefix(self.prefix):
             parsed = paths.parse_segment_name(name)
             if parsed is None:
@@ -146,6 +150,12 @@ class SMP:
                 if index >= SLOTS_PER_RANK or slots[index] is not None:
                     raise SnapshotCorrupt(f"{name}: unexpected slot (a leftover of an older generation)")
                 segment = Segment(name)
+                if seg.is_blank(segment.buf) and rebuilding:
+                    # A rebuild writes each slot's header last: it goes on with these (cluster/rebuild.py).
+                    slots[index] = Slot(segment, generation, "peer reconstruction")
+                    log.info("smp node=%d event=keep segment=%s reason=blank, a rebuild under way fills it",
+                             self.node, name)
+                    continue
                 if seg.is_blank(segment.buf):
                     log.info("smp node=%d event=empty segment=%s reason=slot reserved or discarded, holds "
                              "nothing", self.node, name)
@@ -359,10 +369,7 @@ class SMP:
             for rank in [r for r, since in self.moved.items() if since <= step]:
                 del self.moved[rank]
                 held = sorted({s.committed_step() for s in self.slots.get(rank, []) if s is not None} - {None})
-                for slot in self.slots.pop(rank, []):
-                    if slot is not None:
-                        slot.segment.close()
-                        slot.segment.unlink()
+                self.drop_slots(rank)
                 log.info("smp node=%d event=released rank=%d steps=%s reason=rank committed step %d on another "
                          "node", self.node, rank, held, step)
 
@@ -401,6 +408,17 @@ class SMP:
         """A fresh slot of `rank` holding a copy of a committed slot from elsewhere: `fill(buf)` writes its bytes
         (outside the lock: it may wait on peers), then it is verified like a restore would. `index`: which slot,
         default one holding no step this rank keeps (its newest)."""
+        slot = self.reserve_copy(rank, size, source, index)
+        try:
+            fill(slot.segment.buf)
+        except BaseException:
+            slot.blank()
+            raise
+        self.finish_copy(slot, None, f"node {self.node} rank {rank} slot {slot.segment.name} ({source})")
+        return slot
+
+    def reserve_copy(self, rank: int, size: int, source: str, index: int | None = None) -> Slot:
+        """A blank slot of `rank`, `size` bytes, for a copy that finish_copy seals (see install)."""
         with self.lock:
             slots = self.slots.setdefault(rank, [None] * SLOTS_PER_RANK)
             self.moved.pop(rank, None)  # it runs here (again)
@@ -411,24 +429,27 @@ class SMP:
                 slot = self._allocate(rank, index, size)
             except RequestError as e:
                 raise SnapshotCorrupt(f"node {self.node} cannot hold a copy of rank {rank}'s slot: {e}") from None
-        try:
-            fill(slot.segment.buf)
-            seg.verify(slot.segment.buf, f"node {self.node} rank {rank} slot {slot.segment.name} ({source})")
-        except BaseException:
-            slot.blank()
-            raise
         slot.source = source
         return slot
 
-    def install_slot(self, rank: int, raw) -> None:
-        """Put a rebuilt slot (its used bytes) into slot 0 of `rank`."""
-        header = seg.Header.read(raw)
-        if header is None:
-            raise SnapshotCorrupt(f"rebuilt slot of rank {rank} has no valid header")
+    def finish_copy(self, slot: Slot, header: bytes | None, where: str) -> None:
+        """Write the copy's `header` bytes last (None: they are in place) and verify the slot like a restore
+        would; a slot that fails is blanked, never served."""
+        try:
+            if header is not None:
+                slot.segment.buf[: len(header)] = header
+            seg.verify(slot.segment.buf, where)
+        except BaseException:
+            slot.blank()
+            raise
 
-        def fill(buf):
-            buf[: len(raw)] = raw
-        self.install(rank, seg.slot_size(header.manifest_len, header.data_len), fill, "peer reconstruction", 0)
+    def drop_slots(self, rank: int) -> None:
+        """Free every slot of `rank` here."""
+        with self.lock:
+            for slot in self.slots.pop(rank, []):
+                if slot is not None:
+                    slot.segment.close()
+                    slot.segment.unlink()
 
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
@@ -468,12 +489,8 @@ class SMP:
         return {}
 
     def wipe(self) -> None:
-        for slots in self.slots.values():
-            for slot in slots:
-                if slot is not None:
-                    slot.segment.close()
-                    slot.segment.unlink()
-        self.slots.clear()
+        for rank in list(self.slots):
+            self.drop_slots(rank)
         self._record_complete(None)
         if self.protector is not None:
             self.protector.wipe()

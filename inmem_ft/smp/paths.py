@@ -54,6 +54,11 @@ def complete_record_name(job: str, node: int) -> str:
     return f"{segment_prefix(job, node)}complete"
 
 
+def rebuild_record_name(job: str, node: int) -> str:
+    """The file beside the slots that says a rebuild from the EC group is under way, and how far it got."""
+    return f"{segment_prefix(job, node)}rebuild"
+
+
 def lock_name(job: str, node: int) -> str:
     """The file beside the slots that the node's running SMP holds locked (smp/nodelock.py)."""
     return f"{segment_prefix(job, node)}lock"
