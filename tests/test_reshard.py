@@ -27,7 +27,6 @@ from inmem_ft.snapshot.topology import Topology
 from inmem_ft.snapshot.tree import Replicated, Sharded, flatten
 from inmem_ft.telemetry import read_losses
 from inmem_ft.universal.assemble import Fragments
-from inmem_ft.universal.fileslots import FileSlots
 from inmem_ft.universal.reshard import per_rank_source
 from inmem_ft.universal.source import MemorySource
 
@@ -91,24 +90,6 @@ def test_pieces_read_only_the_bytes_that_overlap_them():
     frags.by_key["m"].pop()  # a fragment gone: said, not assembled wrong
     with pytest.raises(CatalogHole, match="'m'"):
         frags.piece("m", read, flat=(50, 63))
-
-
-def test_file_slots_offer_state_trees_as_an_smp_offers_slots():
-    """The disk tier's path: per-rank trees in this process, read through MemorySource like the SMPs' slots."""
-    g = torch.Generator().manual_seed(1)
-    m = torch.randn(5, 7, generator=g)
-    trees = {r: {"m": Sharded(m.reshape(-1)[18 * r: 18 * r + 18].clone(),  # 18 + 17 elements
-                              ShardSpec("m", (5, 7), flat=(18 * r, min(35, 18 * r + 18)))),
-                 "rank": {"rng": np.arange(3 + r, dtype=np.uint32), "position": r,
-                          "more": [torch.full((3,), float(r)), torch.full((2,), 7.0)]}} for r in range(2)}
-    topologies = {r: Topology(world_size=2, dp=2, coords={"dp": r}) for r in range(2)}
-    with MemorySource(FileSlots(trees, STEP, topologies, "test files")) as src:
-        assert src.step == STEP and torch.equal(src.tensor("m"), m)
-        assert torch.equal(src.piece("m", flat=(10, 30)), m.reshape(-1)[10:30])
-        own = src.state(1, "rank")  # several small tensors of one dtype: plan() copies them as one batch
-        assert own["position"] == 1 and own["rng"].tolist() == [0, 1, 2, 3]
-        assert own["more"][0].tolist() == [1.0] * 3 and own["more"][1].tolist() == [7.0] * 2
-        assert dict(src.fragments.bytes_read) == {"disk": (35 + 20 + 4 + 5) * 4}
 
 
 def test_per_rank_state_comes_from_the_same_coordinates_else_modulo_the_old_size():
