@@ -3,10 +3,10 @@ inmem_ft through `install(engine)`: kill -9 a rank, restart, resume from memory 
 tier when memory is gone, bit-identically; an explicit save_checkpoint loads in plain DeepSpeed exactly; bad config."""
 import json
 import os
-import time
 
 import pytest
 
+from conftest import wait_for_log
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.telemetry import read_losses
 
@@ -97,7 +97,7 @@ def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical
         attempt = cluster.run(example(stage, dtype, STEPS, "--loss-log", before, "--die-at", 9, "--die-rank", 1))
         assert not attempt.ok and attempt.returncodes[1] == -9
         for node in range(cluster.nodes):  # what the trainers did not wait for, their SMPs finish
-            wait_for(cluster.smp_log(node), "event=flushed step=8 ")
+            wait_for_log(cluster.smp_log(node), "event=flushed step=8 ")
             cluster.kill_smp(node)
             cluster.wipe_node(node)
         assert not list(disk.rglob("*.tmp")), "a finished flush leaves no temporary files"
@@ -108,7 +108,7 @@ def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical
         assert "step=8 source=disk" in cluster.rank_log(attempt.number, 0)
         assert read_losses(resumed) == {s: ref[s] for s in range(9, STEPS + 1)}  # bit-identical
         for node in range(cluster.nodes):
-            wait_for(cluster.smp_log(node), "event=flushed step=12 ")
+            wait_for_log(cluster.smp_log(node), "event=flushed step=12 ")
             log = open(cluster.smp_log(node)).read()
             assert "event=flushed step=4 " in log and "event=flushed step=6 " not in log
             # Steps 4 and 8 went; 8 and 12 are kept (persist_keep 2), each this node's two ranks.
@@ -129,15 +129,6 @@ def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical
         inmem, plain = digests(runtime / "inmem"), digests(runtime / "plain")
         assert [d["step"] for d in plain] == [12] * 4
         assert inmem == plain
-
-
-def wait_for(path, text, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in open(path).read():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in {path} within {timeout} s")
 
 
 def test_bad_config_is_a_clear_error():

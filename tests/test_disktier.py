@@ -6,8 +6,8 @@ the resume drops it (what tests/test_slurm.py's preemption scenario meets by cha
 import json
 import os
 import signal
-import time
 
+from conftest import wait_for_log
 from test_hardening import _write_rank as write_rank
 from inmem_ft.smp import control, disktier, inventory, paths
 from inmem_ft.smp.client import SMPClient
@@ -18,15 +18,6 @@ DISK = disktier.SOURCE
 
 def steps(client, rank):
     return [(slot["step"], slot["source"]) for slot in client.call("list", rank=rank)["slots"]]
-
-
-def wait_for(path, text, timeout=20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in open(path).read():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} not in {path} within {timeout} s")
 
 
 def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, runtime):
@@ -44,7 +35,7 @@ def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, 
             client.call("complete", step=step)
             keep = step
             if step % 2 == 0:
-                wait_for(log, f"event=flushed step={step} ranks=0,1 ")
+                wait_for_log(log, f"event=flushed step={step} ranks=0,1 ")
         assert sorted(os.listdir(node)) == ["r0.step4.slot", "r0.step6.slot", "r1.step4.slot", "r1.step6.slot",
                                             "step4.done", "step6.done"]
         assert json.loads((base / job / "latest").read_text()) == {"step": 6}

@@ -171,7 +171,7 @@ class Handle:
         self.engine.save_checkpoint(self.scratch, tag=stock.tag_of(int(self.engine.global_steps)))
 
     def wait(self) -> None:
-        """Until the last snapshot (and its disk flush, if due) is committed."""
+        """Until the last snapshot is committed (the disk tier is the SMPs' business)."""
         self.snap.wait()
 
     # ---- restoring ----------------------------------------------------------------------------------------
@@ -246,7 +246,7 @@ class Handle:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the last commit (and flush), then let go of the SMP."""
+        """Wait for the last commit, then let go of the SMP."""
         self.snap.close()
 
 

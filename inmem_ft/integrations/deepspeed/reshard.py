@@ -18,7 +18,6 @@ Where that API stops short (DeepSpeed 0.19.8, checked on CPU):
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from ...capture import restore_rng_state
 from ...errors import ConfigError, InmemFTError
 from ...universal.reshard import Resharding
-from . import shards, stock
+from . import stock
 
 FP32 = "fp32_param"
 
