@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -83,15 +81,8 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
     args = p.parse_args()
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(tmp, "run"))
-        for i in range(args.repeat):
-            for mode in MODES:
-                with report.phase(f"run {i + 1}/{args.repeat}, {mode}"):
-                    runs[mode].append(one_run(mode, args, os.path.join(tmp, f"{mode}{i}")))
-    results = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
-                          f"the end", "args": vars(args), "runs": runs,
+    runs = report.alternating(MODES, args.repeat, lambda mode, i, work: one_run(mode, args, work))
+    results = {"machine": report.machine(), "args": vars(args), "runs": runs,
                **{m: {"step_s": statistics.median(r["step_s"] for r in runs[m])} for m in MODES}}
     results["before_on_over_off"] = results["before_on"]["step_s"] / results["before_off"]["step_s"]
     results["after_on_over_off"] = results["after_on"]["step_s"] / results["after_off"]["step_s"]
