@@ -41,11 +41,16 @@ def one_run(mode: str, args, tmp: str) -> dict:
         smp_args = ["--persist-dir", disk, "--persist-every", str(args.interval)]
     env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": tree}
     job = f"disk{mode.replace('_', '')}{os.getpid()}"
-    with SimulatedCluster(1, 2, job, 1 << 30, os.path.join(tmp, "logs"), env=env, smp_args=smp_args) as cluster:
-        attempt = cluster.run(argv, timeout_s=1800)
-        if not attempt.ok:
-            raise RuntimeError(f"{mode}: the run failed: {cluster.rank_log(attempt.number, 0)[-3000:]}")
-        smp_log = open(cluster.smp_log(0)).read()
+    here = os.getcwd()
+    os.chdir(tree)  # `python -m` puts the working directory first on sys.path, before PYTHONPATH
+    try:
+        with SimulatedCluster(1, 2, job, 1 << 30, os.path.join(tmp, "logs"), env=env, smp_args=smp_args) as cluster:
+            attempt = cluster.run(argv, timeout_s=1800)
+            if not attempt.ok:
+                raise RuntimeError(f"{mode}: the run failed: {cluster.rank_log(attempt.number, 0)[-3000:]}")
+            smp_log = open(cluster.smp_log(0)).read()
+    finally:
+        os.chdir(here)
     times = {r["step"]: r["time"] for r in Tail(os.path.join(tmp, "loss.jsonl")).records()}
     steps = sorted(times)[args.warmup:]
     step_s = [times[s] - times[s - 1] for s in steps if s - 1 in times]

@@ -111,9 +111,9 @@ def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical
             wait_for_log(cluster.smp_log(node), "event=flushed step=12 ")
             log = open(cluster.smp_log(node)).read()
             assert "event=flushed step=4 " in log and "event=flushed step=6 " not in log
-            # Steps 4 and 8 went; 8 and 12 are kept (persist_keep 2), each this node's two ranks.
-            assert sorted(os.listdir(disk / job / f"node{node}")) == sorted(
-                [f"r{r}.step{s}.slot" for r in (2 * node, 2 * node + 1) for s in (8, 12)] + ["step8.done", "step12.done"])
+            # Steps 4, 8 and 12 were flushed; 8 and 12 are kept (persist_keep 2), each of this node's two ranks.
+            slots = [f"r{r}.step{s}.slot" for r in (2 * node, 2 * node + 1) for s in (8, 12)]
+            assert sorted(os.listdir(disk / job / f"node{node}")) == sorted(slots + ["step8.done", "step12.done"])
         assert json.loads((disk / job / "latest").read_text()) == {"step": 12}
         for r in range(cluster.world_size):  # the disk tier is the SMPs' job: no trainer says a word of it
             assert "persist" not in cluster.rank_log(attempt.number, r)

@@ -62,7 +62,7 @@ class Handle:
         # ZeRO-0/1/2 build the model-states dict on every rank but hand it to the engine on DP rank 0 only; for a
         # snapshot every replica hands it over here and stores 1/DP of it (Replicated), so restore gathers it
         # back on every rank without reading a peer's memory.
-        self._ours = (self.ckpt, True if not self.zero3 else engine.save_non_zero_checkpoint)
+        self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
         self._wrap(engine)
@@ -185,7 +185,7 @@ class Handle:
             if self.block.reshard == "never":
                 raise
             config = self.snap.config
-            return self._finish(self._load_resharded(MEMORY_RESHARDED, lambda: open_memory(
+            return self._finish(self._load_resharded(lambda: open_memory(
                 config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
         if state is not None:
             return self._finish(self._load_memory(state), t0)
@@ -230,7 +230,7 @@ class Handle:
         extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
-    def _load_resharded(self, tier: str, open_source) -> Restored:
+    def _load_resharded(self, open_source) -> Restored:
         """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
         t0 = time.perf_counter()
         reshard.check_target(self.engine)
@@ -240,9 +240,10 @@ class Handle:
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}
-        self.snap.resumed(RestoreInfo(rs.step, tier, time.perf_counter() - t0, sum(rs.bytes_read.values()),
-                                          None, phases))
-        return Restored(rs.step, tier, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
+        # the SMPs keep that step until a newer one is complete
+        self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, time.perf_counter() - t0,
+                                      sum(rs.bytes_read.values()), None, phases))
+        return Restored(rs.step, MEMORY_RESHARDED, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
