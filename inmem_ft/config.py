@@ -160,7 +160,7 @@ class InmemFTBlock:
         if self.parity and self.group_size is None:
             bad("parity", "needs 'group_size' (the k of k+m erasure coding)")
         if self.persist_every is not None and (not _is_int(self.persist_every) or self.persist_every < 0):
-            bad("persist_every", "must be an integer >= 0 (0 or null: no disk tier)")
+            bad("persist_every", "must be an integer >= 0 (0 or null: flush only on SIGTERM)")
         if self.persist_dir is not None and (not isinstance(self.persist_dir, str) or not self.persist_dir):
             bad("persist_dir", "must be a directory path")
         if not _is_int(self.persist_keep) or self.persist_keep < 1:
