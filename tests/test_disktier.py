@@ -7,8 +7,11 @@ import json
 import os
 import signal
 
+import pytest
+
 from conftest import wait_for_log
 from test_hardening import _write_rank as write_rank
+from inmem_ft.errors import SMPUnavailable
 from inmem_ft.smp import control, disktier, inventory, paths
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.snapshot import segment as seg
@@ -16,15 +19,26 @@ from inmem_ft.snapshot import segment as seg
 DISK = disktier.SOURCE
 
 
+@pytest.fixture
+def smp_with_disk(job, runtime):
+    """start(*args): node 0's SMP with its disk tier in runtime/disk -> (base, socket, log); stopped (wiped)
+    at the end whatever the test did."""
+    base, sock, log = runtime / "disk", paths.default_socket(job, 0), paths.default_log(job, 0)
+
+    def start(*args):
+        control.start(job, 0, 64 << 20, extra_args=["--persist-dir", str(base), *args])
+        return base, sock, log
+    yield start
+    if control.ping(sock):
+        control.stop(sock, wipe=True)
+
+
 def steps(client, rank):
     return [(slot["step"], slot["source"]) for slot in client.call("list", rank=rank)["slots"]]
 
 
-def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, runtime):
-    base = runtime / "disk"
-    args = ["--persist-dir", str(base), "--persist-every", "2", "--persist-keep", "2"]
-    sock, log = paths.default_socket(job, 0), paths.default_log(job, 0)
-    control.start(job, 0, 64 << 20, extra_args=args)
+def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, runtime, smp_with_disk):
+    base, sock, log = smp_with_disk("--persist-every", "2", "--persist-keep", "2")
     node = base / job / "node0"
     client = SMPClient(sock)
     try:
@@ -35,7 +49,7 @@ def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, 
             client.call("complete", step=step)
             keep = step
             if step % 2 == 0:
-                wait_for_log(log, f"event=flushed step={step} ranks=0,1 ")
+                wait_for_log(log, f"event=flushed step={step} ranks=0,1 ", timeout=20)
         assert sorted(os.listdir(node)) == ["r0.step4.slot", "r0.step6.slot", "r1.step4.slot", "r1.step6.slot",
                                             "step4.done", "step6.done"]
         assert json.loads((base / job / "latest").read_text()) == {"step": 6}
@@ -49,7 +63,7 @@ def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, 
     (node / "r0.step8.slot").write_bytes(b"torn")
     (node / "r0.step8.slot.1234.inmem_ft.tmp").write_bytes(b"torn")
     control.stop(sock, wipe=True)  # and the node's memory is gone
-    control.start(job, 0, 64 << 20, extra_args=args)
+    smp_with_disk("--persist-every", "2", "--persist-keep", "2")
     client = SMPClient(sock)
     try:
         text = open(log).read()
@@ -59,16 +73,11 @@ def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, 
         assert steps(client, 0) == [(6, DISK), (4, DISK)] and steps(client, 1) == [(6, DISK), (4, DISK)]
     finally:
         client.close()
-        control.stop(sock, wipe=True)
 
 
-def test_bad_disk_tier_settings_are_a_clear_error(job, runtime):
-    try:
-        control.start(job, 0, 64 << 20, extra_args=["--persist-dir", str(runtime / "d"), "--persist-keep", "0"])
-    except Exception as e:
-        assert "keep=0 must be >= 1" in str(e) or "keep" in str(e), e
-    else:
-        raise AssertionError("an SMP started with --persist-keep 0")
+def test_bad_disk_tier_settings_are_a_clear_error(smp_with_disk):
+    with pytest.raises(SMPUnavailable, match=r"--persist-keep 0: must be >= 1"):
+        smp_with_disk("--persist-keep", "0")
 
 
 def test_sigterm_mid_commit_flushes_the_newer_step_for_its_rank_only_and_the_resume_drops_it(job, runtime):

@@ -68,8 +68,10 @@ def read_latest(job_dir: str) -> int | None:
 class DiskTier:
     def __init__(self, smp, base: str, every: int = 0, keep: int = 2):
         """every: flush each complete step that is a multiple of it (0: only on SIGTERM); keep: steps kept."""
-        if every < 0 or keep < 1:
-            raise ValueError(f"disk tier: every={every} must be >= 0 and keep={keep} >= 1")
+        if every < 0:
+            raise ValueError(f"--persist-every {every}: must be >= 0 (steps between flushes; 0: only on SIGTERM)")
+        if keep < 1:
+            raise ValueError(f"--persist-keep {keep}: must be >= 1 (flushed steps each node keeps)")
         self.smp, self.every, self.keep = smp, every, keep
         self.job_dir = os.path.join(base, smp.job)
         self.dir = node_dir(base, smp.job, smp.node)
