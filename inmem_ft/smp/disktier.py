@@ -22,6 +22,7 @@ import os
 import re
 import struct
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..errors import SnapshotCorrupt
@@ -112,9 +113,8 @@ class DiskTier:
 
     def drain(self) -> None:
         """Until the flush in progress (if any) is on disk."""
-        last = self._last
-        if last is not None:
-            last.result()
+        if self._last is not None:
+            futures.wait([self._last])  # a failed flush said so in its own log line
 
     # ---- SIGTERM ------------------------------------------------------------------------------------------
     def spill(self) -> list[int]:
