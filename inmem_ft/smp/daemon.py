@@ -506,8 +506,9 @@ class SMP:
             self.stopping = True
             try:
                 self.disk.spill()
-            except OSError as e:
-                log.error("smp node=%d event=spill_failed dir=%s reason=%s", self.node, self.disk.dir, e)
+            except Exception as e:  # whatever went wrong, the SMP still stops
+                log.error("smp node=%d event=spill_failed dir=%s reason=%s: %s", self.node, self.disk.dir,
+                          type(e).__name__, e)
         self.server.shutdown()
 
     # ---- serving ----------------------------------------------------------------------------------------
