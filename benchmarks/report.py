@@ -2,7 +2,9 @@
 that keep a run of several minutes from going silent."""
 import json
 import os
+import platform
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 
@@ -70,3 +72,21 @@ def write(results: dict, json_path: str | None, plot=None, plot_path: str | None
     if plot_path:
         os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
         plot(results, plot_path)
+
+
+def alternating(modes, repeat: int, run, label=lambda mode: mode) -> dict:
+    """{mode: [run(mode, i, folder) for each repeat i]}: the modes alternate within each repeat, so that the
+    machine's load hits them alike; each run gets a folder of its own, all in one temporary folder that also
+    holds the runtime dir (sockets, logs)."""
+    runs = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(tmp, "run"))
+        for i in range(repeat):
+            for mode in modes:
+                with phase(f"run {i + 1}/{repeat}, {label(mode)}"):
+                    runs[mode].append(run(mode, i, os.path.join(tmp, f"{mode}{i}")))
+    return runs
+
+
+def machine() -> str:
+    return f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"

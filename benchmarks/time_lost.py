@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # runs from a checkout without installing the package
@@ -84,15 +82,9 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     kill = 60 if args.quick else 110
-    splits: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("INMEM_FT_RUNTIME_DIR", os.path.join(tmp, "run"))
-        for i in range(args.repeat):
-            for mode in MODES:
-                with report.phase(f"run {i + 1}/{args.repeat}, restart {mode}"):
-                    splits[mode].append(one_run(mode, kill, kill + 10, os.path.join(tmp, f"{mode}{i}")))
-    results = {"machine": f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at "
-                          f"the end", "kill_step": kill, "repeat": args.repeat, "runs": splits,
+    splits = report.alternating(MODES, args.repeat, lambda mode, i, work: one_run(mode, kill, kill + 10, work),
+                                label=lambda mode: f"restart {mode}")
+    results = {"machine": report.machine(), "kill_step": kill, "repeat": args.repeat, "runs": splits,
                **{mode: summary(splits[mode]) for mode in MODES}}
     cold, warm = results["cold"], results["standby"]
     results["ratio_standby_to_cold"] = {

@@ -64,8 +64,12 @@ def apply_config_block(args) -> str | None:
         raise ConfigError(f"{args.config} has no \"inmem_ft\" block")
     if args.memory_budget is None:
         args.memory_budget = block.memory_budget
-    if args.spill_dir is None:
-        args.spill_dir = block.spill_dir
+    if args.persist_dir is None:
+        args.persist_dir = block.persist_dir
+    if args.persist_every is None and block.persist:
+        args.persist_every = block.persist_every * block.interval  # the block counts snapshots, the SMP steps
+    if args.persist_keep is None:
+        args.persist_keep = block.persist_keep
     if block.job and args.job == "default":
         args.job = block.job
     if args.parity is None and block.parity:
@@ -85,8 +89,9 @@ def cmd_smp_start(args) -> int:
               f"of only {units.human(args.memory_budget / 2)} for all of this node's ranks together; the first "
               f"snapshot fails if they need more", file=sys.stderr)
     extra = ec.argv() if ec else []
-    if args.spill_dir:
-        extra += ["--spill-dir", os.path.abspath(args.spill_dir)]
+    if args.persist_dir:
+        extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every", str(args.persist_every or 0),
+                  "--persist-keep", str(args.persist_keep or 2)]
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
           f"{'' if ec is None else f', erasure coding with m={ec.parity} across {ec.nodes} nodes'}")
@@ -293,12 +298,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shared memory the SMP may use for every local rank's two slots, e.g. 64GiB "
                             "(default: the config's memory_budget)")
     start.add_argument("--config", default=None, metavar="JSON",
-                       help="a DeepSpeed config: memory_budget, parity, group_size and spill_dir of its inmem_ft "
+                       help="a DeepSpeed config: memory_budget, parity, group_size and persist_* keys of its inmem_ft "
                             "block fill in what the command line leaves out (default: none)")
     start.add_argument("--log", default=None, metavar="PATH", help="log file (default: beside the socket)")
-    start.add_argument("--spill-dir", default=os.environ.get("INMEM_FT_SPILL_DIR"), metavar="DIR",
-                       help="on SIGTERM (preemption) the SMP writes the newest complete step to DIR/<job>/node<N>, "
-                            "and a new SMP with empty memory starts from it (default: $INMEM_FT_SPILL_DIR)")
+    start.add_argument("--persist-dir", "--spill-dir", dest="persist_dir", metavar="DIR",
+                       default=os.environ.get("INMEM_FT_PERSIST_DIR") or os.environ.get("INMEM_FT_SPILL_DIR"),
+                       help="the disk tier: the SMP flushes its node's slots to DIR/<job>/node<N> (every "
+                            "--persist-every steps, and the newest complete step on SIGTERM), and a new SMP with "
+                            "empty memory starts from them (default: $INMEM_FT_PERSIST_DIR, else $INMEM_FT_SPILL_DIR)")
+    start.add_argument("--persist-every", type=int, default=None, metavar="STEPS",
+                       help="flush each complete step that is a multiple of STEPS (default: the config's "
+                            "persist_every x interval, else 0: only on SIGTERM)")
+    start.add_argument("--persist-keep", type=int, default=None, metavar="K",
+                       help="flushed steps kept per node (default: the config's persist_keep, else 2)")
     add_ec_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")

@@ -104,7 +104,7 @@ def _is_int(v) -> bool:
 @dataclass(frozen=True)
 class InmemFTBlock:
     """The `"inmem_ft": {...}` block of a framework config (DeepSpeed JSON), shared by the trainer-side
-    adapter and, for its SMP-side keys (memory_budget, group_size, parity, spill_dir), by `inmem-ft smp start`."""
+    adapter and, for its SMP-side keys (memory_budget, group_size, parity, persist_*), by `inmem-ft smp start`."""
 
     enabled: bool = True
     interval: int = 100
@@ -120,16 +120,17 @@ class InmemFTBlock:
     parity: int = 0
     """SMP-side: erasure-code parity m (node losses per group survived)."""
     persist_dir: str | None = None
-    """Directory for the disk tier (stock DeepSpeed layout); None = no disk tier."""
+    """SMP-side: the disk tier's directory; the SMP flushes its node's slots there (smp/disktier.py), on SIGTERM
+    too, and starts from them when shared memory holds nothing. None = no disk tier."""
     persist_every: int | None = None
-    """Flush every K-th snapshot to persist_dir; 0/None = no disk tier."""
+    """SMP-side: flush every K-th snapshot to persist_dir; 0/None = only on SIGTERM."""
+    persist_keep: int = 2
+    """SMP-side: flushed steps each node keeps on disk."""
     on_error: str = "warn"
     staging_budget: int | str | None = None
     timeout_s: float = 600.0
     start_fresh: bool | None = None
     """Train from scratch when snapshots of a completed step cannot be restored (default: fail, keep them)."""
-    spill_dir: str | None = None
-    """SMP-side: where the SMP writes its newest complete step on SIGTERM (preemption), and starts from."""
     reshard: str = "auto"
     """A job back on another layout (DP size, ZeRO stage): 'auto' rebuilds each rank's state from the old
     layout's snapshots; 'never' stops with LayoutMismatch instead."""
@@ -159,11 +160,11 @@ class InmemFTBlock:
         if self.parity and self.group_size is None:
             bad("parity", "needs 'group_size' (the k of k+m erasure coding)")
         if self.persist_every is not None and (not _is_int(self.persist_every) or self.persist_every < 0):
-            bad("persist_every", "must be an integer >= 0 (0 or null: no disk tier)")
+            bad("persist_every", "must be an integer >= 0 (0 or null: flush only on SIGTERM)")
         if self.persist_dir is not None and (not isinstance(self.persist_dir, str) or not self.persist_dir):
             bad("persist_dir", "must be a directory path")
-        if self.spill_dir is not None and (not isinstance(self.spill_dir, str) or not self.spill_dir):
-            bad("spill_dir", "must be a directory path")
+        if not _is_int(self.persist_keep) or self.persist_keep < 1:
+            bad("persist_keep", "must be an integer >= 1 (flushed steps each node keeps)")
         if self.persist_every and not self.persist_dir:
             bad("persist_every", "needs 'persist_dir'")
         if self.reshard not in RESHARD:

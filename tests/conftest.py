@@ -48,3 +48,12 @@ def wait_protected(cluster, step, timeout=60):
             return
         time.sleep(0.05)
     raise AssertionError(f"step {step} not protected within {timeout} s")
+
+
+def wait_for_log(path, text, timeout=120):
+    """Wait until `text` appears in the log at `path` (an SMP's event line, written behind the trainers)."""
+    deadline = time.monotonic() + timeout
+    while text not in open(path).read():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in {path} within {timeout} s")
+        time.sleep(0.1)

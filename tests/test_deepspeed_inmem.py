@@ -1,11 +1,12 @@
 """Issue 4's acceptance: real DeepSpeed engines (CPU, gloo) on 2 simulated nodes x 2 ranks protected by
-inmem_ft through `install(engine)`: kill -9 a rank, restart, resume from memory bit-identically; the disk
-tier loads in plain DeepSpeed exactly; memory gone -> disk; memory newer than disk -> memory; bad config."""
+inmem_ft through `install(engine)`: kill -9 a rank, restart, resume from memory bit-identically; the SMPs' disk
+tier when memory is gone, bit-identically; an explicit save_checkpoint loads in plain DeepSpeed exactly; bad config."""
 import json
 import os
 
 import pytest
 
+from conftest import wait_for_log
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.telemetry import read_losses
 
@@ -74,7 +75,7 @@ def digests(prefix, world=4):
     return [json.loads(open(f"{prefix}.rank{r}").read()) for r in range(world)]
 
 
-# ZeRO-2 fp32's kill/resume from memory is part of the disk-tier test below; the rest is marked slow.
+# ZeRO-2 fp32's kill/resume is part of the disk-tier test below; the rest is marked slow.
 @pytest.mark.parametrize("stage,dtype", [(3, "bf16")])
 def test_kill_rank_resumes_from_memory_bit_identical(cluster, runtime, tmp_path_factory, stage, dtype):
     ref = reference(stage, dtype, tmp_path_factory)
@@ -82,35 +83,52 @@ def test_kill_rank_resumes_from_memory_bit_identical(cluster, runtime, tmp_path_
     assert "step=6 source=memory" in cluster.rank_log(attempt.number, 2)
 
 
-def test_disk_tier_memory_wins_then_disk_then_plain_deepspeed(cluster, runtime, tmp_path_factory):
-    """persist_every=2 with interval 2: disk holds steps 4, 8, 12; memory every even step."""
+def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical(job, runtime, tmp_path_factory):
+    """The SMPs flush every 4th step (persist_every 2 x interval 2), keeping 2; the trainers write nothing. A rank
+    is killed right after step 8 completed (its flush is the SMPs' business); then every node's memory is wiped:
+    the resume comes from disk at step 8, bit-identical. An explicit save_checkpoint(dir) at the end writes a
+    stock checkpoint that plain DeepSpeed loads to exactly the state inmem_ft restores."""
     stage, dtype = 2, "fp32"
     ref = reference(stage, dtype, tmp_path_factory)
-    disk = runtime / "ckpt"
-    persist = ["--persist-dir", disk, "--persist-every", 2]
-    # Killed after step 7: memory holds 6, disk 4 -> memory wins.
-    attempt = crash_and_resume(cluster, runtime, ref, stage, dtype, die_at=7, die_rank=1, first_expected=7,
-                               extra=persist)
-    assert "step=6 source=memory" in cluster.rank_log(attempt.number, 0)
-    assert (disk / "latest").read_text() == "global_step12"
-    assert not list(disk.rglob("*.tmp")), "a finished flush leaves no temporary files"
-    assert sorted(p.name for p in (disk / "global_step12").iterdir()) == [
-        "inmem_ft_rank0.state", "inmem_ft_rank1.state", "inmem_ft_rank2.state", "inmem_ft_rank3.state",
-        "mp_rank_00_model_states.pt", *[f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]]
+    disk = runtime / "disk"
+    smp_args = ["--persist-dir", disk, "--persist-every", 2 * INTERVAL, "--persist-keep", 2]
+    with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV, smp_args=smp_args) as cluster:
+        before = runtime / "before.jsonl"
+        attempt = cluster.run(example(stage, dtype, STEPS, "--loss-log", before, "--die-at", 9, "--die-rank", 1))
+        assert not attempt.ok and attempt.returncodes[1] == -9
+        for node in range(cluster.nodes):  # what the trainers did not wait for, their SMPs finish
+            wait_for_log(cluster.smp_log(node), "event=flushed step=8 ")
+            cluster.kill_smp(node)
+            cluster.wipe_node(node)
+        assert not list(disk.rglob("*.tmp")), "a finished flush leaves no temporary files"
+        for node in range(cluster.nodes):
+            cluster.start_smp(node)
+        resumed, stock = runtime / "resumed.jsonl", runtime / "stock"
+        attempt = run_ok(cluster, example(stage, dtype, STEPS, "--loss-log", resumed, "--save-dir", stock))
+        assert "step=8 source=disk" in cluster.rank_log(attempt.number, 0)
+        assert read_losses(resumed) == {s: ref[s] for s in range(9, STEPS + 1)}  # bit-identical
+        for node in range(cluster.nodes):
+            wait_for_log(cluster.smp_log(node), "event=flushed step=12 ")
+            log = open(cluster.smp_log(node)).read()
+            assert "event=flushed step=4 " in log and "event=flushed step=6 " not in log
+            # Steps 4, 8 and 12 were flushed; 8 and 12 are kept (persist_keep 2), each of this node's two ranks.
+            slots = [f"r{r}.step{s}.slot" for r in (2 * node, 2 * node + 1) for s in (8, 12)]
+            assert sorted(os.listdir(disk / job / f"node{node}")) == sorted(slots + ["step8.done", "step12.done"])
+        assert json.loads((disk / job / "latest").read_text()) == {"step": 12}
+        for r in range(cluster.world_size):  # the disk tier is the SMPs' job: no trainer says a word of it
+            assert "persist" not in cluster.rank_log(attempt.number, r)
 
-    # Memory gone on every node: the restart comes from disk (step 12 of 12, so it only loads).
-    for node in range(cluster.nodes):
-        cluster.kill_smp(node)
-        cluster.wipe_node(node)
-        cluster.start_smp(node)
-    attempt = run_ok(cluster, example(stage, dtype, STEPS, *persist, "--dump-state", runtime / "disk"))
-    assert "step=12 source=disk" in cluster.rank_log(attempt.number, 0)
-    # Plain DeepSpeed (no inmem_ft block, no install) loads the same directory to the same state, exactly.
-    run_ok(cluster, example(stage, dtype, STEPS, "--no-inmem", "--load-dir", disk, "--dump-state",
-                            runtime / "plain"))
-    inmem, plain = digests(runtime / "disk"), digests(runtime / "plain")
-    assert [d["step"] for d in plain] == [12] * 4
-    assert inmem == plain
+        # The explicit save: stock DeepSpeed's layout and `latest`, loadable without inmem_ft, to the same state.
+        assert (stock / "latest").read_text() == "global_step12"
+        assert "mp_rank_00_model_states.pt" in os.listdir(stock / "global_step12")
+        # (A fresh ZeRO-2 engine links its optimizer state only at its first step: the states are compared as
+        # digests right after each load, the saved one as inmem_ft restores step 12 from memory.)
+        run_ok(cluster, example(stage, dtype, STEPS, "--dump-state", runtime / "inmem"))
+        run_ok(cluster, example(stage, dtype, STEPS, "--no-inmem", "--load-dir", stock, "--dump-state",
+                                runtime / "plain"))
+        inmem, plain = digests(runtime / "inmem"), digests(runtime / "plain")
+        assert [d["step"] for d in plain] == [12] * 4
+        assert inmem == plain
 
 
 def test_bad_config_is_a_clear_error():
@@ -120,6 +138,7 @@ def test_bad_config_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['intervall'\]; known keys are"):
         InmemFTBlock.from_framework_config({"inmem_ft": {"intervall": 5}})
     for block, key in [({"interval": 0}, "interval"), ({"persist_every": 3}, "persist_every"),
+                       ({"persist_dir": "/x", "persist_keep": 0}, "persist_keep"),
                        ({"memory_budget": "lots"}, "memory_budget"), ({"parity": 2}, "parity"),
                        ({"group_size": 0}, "group_size"), ({"on_error": "ignore"}, "on_error"),
                        ({"enabled": "yes"}, "enabled")]:

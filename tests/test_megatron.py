@@ -173,17 +173,12 @@ def test_bad_argument_values_name_the_argument(tmp_path, capsys, argv, config, m
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_disk_tier_keys_point_at_megatrons_save(tmp_path):
+def test_config_block_with_the_command_line_over_it(tmp_path):
     import argparse
 
-    from inmem_ft.errors import ConfigError
     from inmem_ft.integrations.megatron import add_args, block_from_args
 
     path = tmp_path / "c.json"
-    path.write_text(json.dumps({"inmem_ft": {"interval": 5, "persist_dir": "/x", "persist_every": 2}}))
-    args = add_args(argparse.ArgumentParser()).parse_args(["--inmem-ft", "--inmem-ft-config", str(path)])
-    with pytest.raises(ConfigError, match="--save/--save-interval"):
-        block_from_args(args)
     path.write_text(json.dumps({"inmem_ft": {"interval": 5, "memory_budget": "1GiB"}}))
     args = add_args(argparse.ArgumentParser()).parse_args(["--inmem-ft-config", str(path), "--inmem-ft-interval", "7"])
     assert block_from_args(args).interval == 7 and block_from_args(args).memory_budget == 1 << 30

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, wait_protected
+from conftest import ROOT, wait_for_log, wait_protected
 from inmem_ft.config import InmemFTBlock
 from inmem_ft.errors import CatalogHole, ConfigError, StepIncomplete
 from inmem_ft.launcher.simulated import SimulatedCluster
@@ -27,9 +27,7 @@ from inmem_ft.snapshot.topology import Topology
 from inmem_ft.snapshot.tree import Replicated, Sharded, flatten
 from inmem_ft.telemetry import read_losses
 from inmem_ft.universal.assemble import Fragments
-from inmem_ft.universal.fileslots import FileSlots
 from inmem_ft.universal.reshard import per_rank_source
-from inmem_ft.universal.source import MemorySource
 
 ENV = {"DS_ACCELERATOR": "cpu"}
 STEP, STEPS = 4, 6  # the snapshot resharded, the last step trained (two steps after it)
@@ -93,24 +91,6 @@ def test_pieces_read_only_the_bytes_that_overlap_them():
         frags.piece("m", read, flat=(50, 63))
 
 
-def test_file_slots_offer_state_trees_as_an_smp_offers_slots():
-    """The disk tier's path: per-rank trees in this process, read through MemorySource like the SMPs' slots."""
-    g = torch.Generator().manual_seed(1)
-    m = torch.randn(5, 7, generator=g)
-    trees = {r: {"m": Sharded(m.reshape(-1)[18 * r: 18 * r + 18].clone(),  # 18 + 17 elements
-                              ShardSpec("m", (5, 7), flat=(18 * r, min(35, 18 * r + 18)))),
-                 "rank": {"rng": np.arange(3 + r, dtype=np.uint32), "position": r,
-                          "more": [torch.full((3,), float(r)), torch.full((2,), 7.0)]}} for r in range(2)}
-    topologies = {r: Topology(world_size=2, dp=2, coords={"dp": r}) for r in range(2)}
-    with MemorySource(FileSlots(trees, STEP, topologies, "test files")) as src:
-        assert src.step == STEP and torch.equal(src.tensor("m"), m)
-        assert torch.equal(src.piece("m", flat=(10, 30)), m.reshape(-1)[10:30])
-        own = src.state(1, "rank")  # several small tensors of one dtype: plan() copies them as one batch
-        assert own["position"] == 1 and own["rng"].tolist() == [0, 1, 2, 3]
-        assert own["more"][0].tolist() == [1.0] * 3 and own["more"][1].tolist() == [7.0] * 2
-        assert dict(src.fragments.bytes_read) == {"disk": (35 + 20 + 4 + 5) * 4}
-
-
 def test_per_rank_state_comes_from_the_same_coordinates_else_modulo_the_old_size():
     old = {r: {"coords": {"dp": r, "tp": 0, "pp": 0}, "dp": 2, "world_size": 2} for r in range(2)}
     src = SimpleNamespace(manifests=old, topology=old[0], topology_of=lambda r: old[r])
@@ -143,7 +123,7 @@ def test_reshard_setting_is_checked():
 # ---- real DeepSpeed jobs ------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None, *extra):
+def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None, *extra, smp_args=()):
     """A job of nodes x per_node ranks at ZeRO `stage` that trained STEPS steps; the snapshot of STEP stays in
     its SMPs. Yields the cluster, with what the job measured as `cluster.source`."""
     job = f"t{uuid.uuid4().hex[:10]}"
@@ -152,7 +132,7 @@ def source_job(tmp, nodes, per_node, stage, dtype="fp32", parity=None, *extra):
         mp.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         try:
             with SimulatedCluster(nodes, per_node, job, 256 << 20, str(tmp / "logs"), env=ENV,
-                                  parity=parity) as cluster:
+                                  parity=parity, smp_args=smp_args) as cluster:
                 cluster.tmp, cluster.dtype = tmp, dtype
                 cluster.source = run(cluster, "source", stage, *extra)
                 yield cluster
@@ -247,15 +227,13 @@ def test_zero2_dp2_resumes_as_zero3_then_as_zero1_dp1_from_parity_after_losing_a
 
 @pytest.mark.slow
 def test_zero2_dp2_resumes_as_zero1_dp1_from_the_disk_tier_when_memory_is_gone(tmp_path):
-    disk = ["--persist-dir", tmp_path / "ckpt", "--persist-every", 1]
-    with source_job(tmp_path, 2, 1, 2, "fp32", None, *disk) as cluster:
+    """The SMPs flushed step 4; memory is wiped; the new SMPs adopt it from disk and the job reshards from it."""
+    smp_args = ["--persist-dir", tmp_path / "ckpt", "--persist-every", STEP]
+    with source_job(tmp_path, 2, 1, 2, "fp32", None, smp_args=smp_args) as cluster:
         for node in range(cluster.nodes):
+            wait_for_log(cluster.smp_log(node), f"event=flushed step={STEP} ")
             cluster.kill_smp(node)
             cluster.wipe_node(node)
             cluster.start_smp(node)
-        got = reshard(cluster, 1, 1, 1, "tp1.pp1.dp2.zero2", "tp1.pp1.dp1.zero1", "disk resharded", *disk)
-        assert "bytes_disk=" in got["log"] and "bytes_memory=" not in got["log"]
-        cluster.reshape(1, 1)
-        never = run(cluster, "disk_never", 1, "--reshard", "never", *disk, ok=False)
-        assert f"LayoutMismatch: {tmp_path / 'ckpt'}/global_step4 was written with tp1.pp1.dp2.zero2, this job runs " \
-               f"with tp1.pp1.dp1.zero1" in never["log"]
+            assert f"step={STEP} from=disk" in open(cluster.smp_log(node)).read()
+        reshard(cluster, 1, 1, 1, "tp1.pp1.dp2.zero2", "tp1.pp1.dp1.zero1")

@@ -167,7 +167,7 @@ def spilled(spill_dir, job) -> dict[int, set[tuple[int, int]]]:
     base = spill_dir / job
     return {int(d.name[4:]): {(int(r), int(s)) for f in d.iterdir()
                               for r, s in re.findall(r"^r(\d+)\.step(\d+)\.slot$", f.name)}
-            for d in sorted(base.iterdir())}
+            for d in sorted(base.glob("node*"))}
 
 
 def smp_log(runtime, job, node) -> str:
@@ -224,7 +224,7 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
     second = j.submit(steps=LONG, loss_log=resumed_log, wait=True)
     out = j.output(second)
     for rank in range(4):
-        assert f"restore rank={rank} step={step} source=disk_spill" in out
+        assert f"restore rank={rank} step={step} source=disk" in out
     for node in (0, 1):
         log = smp_log(runtime, j.job, node)[len(logs[node]):]
         # Every spilled slot is taken back; one of a step newer than the resumed one is then given up.
@@ -259,7 +259,7 @@ def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_dis
     assert "restart=0" in out and "restart=1" in out
     restores = set(re.findall(r"restore rank=(\d) step=(\d+) source=(\w+)", out))
     step = int(next(iter(restores))[1])
-    source = {"kept": "memory", "wiped": "disk_spill"}[memory]
+    source = {"kept": "memory", "wiped": "disk"}[memory]
     assert restores == {(str(rank), str(step), source) for rank in range(4)}
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step)

@@ -8,7 +8,6 @@ survives a crash at any instant.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -30,7 +29,7 @@ from ..telemetry import Heartbeat
 from .agreement import Agreement
 from .copier import Copier
 from .plans import PlanCache, StalePlan
-from .restore import NO_STEP, RestoreInfo, Restorer, replicated_region
+from .restore import NO_STEP, RestoreInfo, Restorer
 
 log = logging.getLogger("inmem_ft.capture")
 
@@ -44,8 +43,6 @@ class Metrics:
     last_commit_s: float = 0.0
     last_bytes: int = 0
     stalls_s: list[float] = field(default_factory=list)
-    flushes: int = 0
-    last_flush_s: float = 0.0
     skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
     planned: int = 0  # snapshots laid out afresh (the first, and any after the state's structure changed)
     stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
@@ -96,10 +93,7 @@ class _Attached:
 class Snapshotter:
     """Per-rank handle on the node's SMP. Create it on every rank after init_process_group."""
 
-    def __init__(self, config: SnapshotConfig | None = None, *, dp_group=None, disk=None):
-        """disk: optional persistent tier (inmem_ft.persist.DiskTier or alike: due(step), write(step,
-        state), publish(step)); complete snapshots it marks due are flushed from the commit thread."""
-        self.disk = disk
+    def __init__(self, config: SnapshotConfig | None = None, *, dp_group=None):
         self.config = config or SnapshotConfig.from_env()
         self._agree = Agreement(self.config.timeout_s)
         self.rank, self.world_size = self._agree.rank, self._agree.world_size
@@ -224,7 +218,6 @@ class Snapshotter:
 
     def _finish(self, step: int, w: "_Written | None", error) -> None:
         t0 = time.perf_counter()
-        raw = None
         if error is None:
             try:
                 data = w.target.bytes[w.data_off: w.data_off + w.plan.data_len]
@@ -263,8 +256,6 @@ class Snapshotter:
             except InmemFTError as e:
                 error = e
         self.metrics.last_commit_s = time.perf_counter() - t0
-        if error is None and agreed == step and self.disk is not None and self.disk.due(step):
-            self._flush(step, w.target, w.data_off, json.loads(raw), w.plan.data_len)
         if isinstance(error, _Skipped):
             return  # said in save(); the agreement above kept the step from counting as complete anywhere
         if isinstance(error, StalePlan):
@@ -282,35 +273,6 @@ class Snapshotter:
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
-
-    def _flush(self, step: int, target: "_Attached", data_off: int, manifest: dict, data_len: int) -> None:
-        """Write a complete step to the disk tier: read this rank's committed slot back (the live tensors have
-        moved on), gather the replicated region, let the tier write; once every rank wrote, rank 0 publishes."""
-        t0 = time.perf_counter()
-        data = target.bytes[data_off: data_off + data_len]
-        ok = True
-        try:
-            # Collective (its exchange runs on every rank before anything in it can fail); what fails after it,
-            # a peer's share that cannot be read, a full disk, a bad path, is voted below.
-            replicated = replicated_region(self, manifest, data, step, data_off)
-            self.disk.write(step, layout.unpack(manifest, data, replicated))
-        except Exception as e:  # must not take training down, nor leave the other ranks waiting
-            ok = False
-            log.error("persist rank=%d step=%d event=failed: %s: %s", self.rank, step, type(e).__name__, e)
-        everyone = self._agree.min(step if ok else NO_STEP)
-        if everyone == step and self.rank == 0:
-            try:
-                self.disk.publish(step)
-            except OSError as e:
-                everyone = NO_STEP
-                log.error("persist rank=%d step=%d event=failed: latest not written: %s", self.rank, step, e)
-        self.metrics.last_flush_s = time.perf_counter() - t0
-        if everyone == step:
-            self.metrics.flushes += 1
-            log.info("persist rank=%d step=%d event=flushed seconds=%.3f", self.rank, step,
-                     self.metrics.last_flush_s)
-        elif self.config.on_error == "raise":
-            raise InmemFTError(f"step {step} could not be flushed to the disk tier (see the persist errors)")
 
     def agree_min(self, value: int) -> int:
         """Collective over the whole job: the smallest `value` of all ranks (for restart decisions)."""

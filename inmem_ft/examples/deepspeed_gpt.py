@@ -167,8 +167,7 @@ def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: boo
             json.dump(counters, f)
 
 
-def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_every=None,
-              micro_batch: int = MICRO_BATCH) -> dict:
+def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BATCH) -> dict:
     conf = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -182,8 +181,6 @@ def ds_config(stage: int, dtype: str, interval: int, persist_dir=None, persist_e
     }
     if dtype == "bf16":
         conf["bf16"] = {"enabled": True}
-    if persist_dir:
-        conf["inmem_ft"].update(persist_dir=persist_dir, persist_every=persist_every or 1)
     return conf
 
 
@@ -200,8 +197,8 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="train every DP layout on the same global batches of this many sequences (GlobalBatches)")
     p.add_argument("--reshard", default=None, choices=["auto", "never"], help="the inmem_ft block's reshard")
-    p.add_argument("--persist-dir", default=None)
-    p.add_argument("--persist-every", type=int, default=None)
+    p.add_argument("--save-dir", default=None, help="at the end: engine.save_checkpoint(PATH), a stock DeepSpeed "
+                                                    "checkpoint (inmem_ft's disk tier is the SMPs' business)")
     p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
     p.add_argument("--load-dir", default=None, help="with --no-inmem: stock load_checkpoint from here first")
     p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
@@ -235,7 +232,7 @@ def main() -> None:
     else:
         world = deepspeed.comm.get_world_size()
         micro = args.global_batch // world if args.global_batch else MICRO_BATCH
-        config = ds_config(args.zero_stage, args.dtype, args.interval, args.persist_dir, args.persist_every, micro)
+        config = ds_config(args.zero_stage, args.dtype, args.interval, micro)
     if args.reshard:
         config["inmem_ft"]["reshard"] = args.reshard
     if args.no_inmem:
@@ -254,7 +251,7 @@ def main() -> None:
     start = 0
     if handle is not None and handle.restored is not None:
         stream.position, start = handle.restored.extras["position"], handle.restored.step
-    elif args.load_dir:  # plain DeepSpeed resume from the disk tier's directory (no inmem_ft involved)
+    elif args.load_dir:  # plain DeepSpeed resume from a stock checkpoint (--save-dir of an earlier run)
         path, _ = engine.load_checkpoint(args.load_dir)
         assert path is not None, f"nothing to load in {args.load_dir}"
         start = engine.global_steps
@@ -280,6 +277,8 @@ def main() -> None:
             if handle is not None:
                 handle.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL)
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
     if handle is not None:
         handle.close()
     if args.dump_full and args.dump_step is None:

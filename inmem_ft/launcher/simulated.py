@@ -63,7 +63,7 @@ class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
                  env: dict | None = None, parity: int | None = None, group_size: int | None = None,
                  ec_bandwidth: int | None = None, workers: str = "plain", hosts: list[str] | None = None,
-                 smp_prefix: Callable[[int], list[str]] | None = None):
+                 smp_prefix: Callable[[int], list[str]] | None = None, smp_args: list[str] = ()):
         """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
         secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
         erasure coding across the nodes. `workers`: "plain" runs each rank as `python argv...`, rank 0 serving
@@ -71,7 +71,8 @@ class SimulatedCluster:
         rendezvoused (worker_record), and serves the store from here, as torchrun's agent does; "standby" does
         too, and hands each rank to its slot's warm standby when there is one (start_standbys). `hosts`: each node's
         SMP address instead of loopback, and `smp_prefix(node)` the command its SMP runs under (a network namespace
-        of its own holding that address: tests/netns.py)."""
+        of its own holding that address: tests/netns.py). `smp_args`: more arguments for every SMP (e.g. the disk
+        tier's --persist-dir)."""
         if workers not in WORKERS:
             raise ValueError(f"workers={workers!r}: expected one of {WORKERS}")
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
@@ -95,6 +96,7 @@ class SimulatedCluster:
         self.smp_prefix = smp_prefix or (lambda node: [])
         self.peers = ",".join(f"{n}={self.hosts[n]}:{free_port()}" for n in range(nodes))
         self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
+        self.smp_args = [str(a) for a in smp_args]
 
     def reshape(self, nodes: int, ranks_per_node: int) -> None:
         """Later launches run `ranks_per_node` ranks on each of the first `nodes` nodes: the job back on
@@ -116,8 +118,8 @@ class SimulatedCluster:
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
                                         self.smp_log(node),
-                                        extra_args=self.ec.argv() if self.ec else ["--peers", self.peers], env=self.env,
-                                        prefix=self.smp_prefix(node))
+                                        extra_args=[*(self.ec.argv() if self.ec else ["--peers", self.peers]),
+                                                    *self.smp_args], env=self.env, prefix=self.smp_prefix(node))
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):

@@ -9,8 +9,9 @@ from ..cluster.options import add_ec_arguments, make_peers, make_protector, opti
 from ..cluster.slotreads import SlotReads
 from ..errors import InmemFTError
 from ..telemetry import log_to_stderr
-from . import paths, spill
+from . import paths
 from .daemon import SMP, check_budget_fits
+from .disktier import DiskTier
 from .nodelock import NodeLock
 
 
@@ -23,9 +24,14 @@ def main(argv=None) -> int:
     p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
     p.add_argument("--memory-budget", required=True, type=units.argparse_size,
                    help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
-    p.add_argument("--spill-dir", default=None,
-                   help="on SIGTERM write the newest complete step to DIR/<job>/node<N>; start from it when "
+    p.add_argument("--persist-dir", "--spill-dir", dest="persist_dir", default=None, metavar="DIR",
+                   help="the disk tier: this SMP flushes its node's slots to DIR/<job>/node<N> (every "
+                        "--persist-every steps, and the newest complete step on SIGTERM) and starts from them when "
                         "shared memory holds nothing (default: none)")
+    p.add_argument("--persist-every", type=int, default=0, metavar="STEPS",
+                   help="flush each complete step that is a multiple of STEPS (default 0: only on SIGTERM)")
+    p.add_argument("--persist-keep", type=int, default=2, metavar="K",
+                   help="flushed steps kept per node (default 2)")
     add_ec_arguments(p)
     args = p.parse_args(argv)
     log_to_stderr()
@@ -36,10 +42,10 @@ def main(argv=None) -> int:
         smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
         smp.node_lock = NodeLock.acquire(args.job, args.node)
         smp.adopt_existing()
-        if args.spill_dir:
-            smp.spill_dir = spill.node_dir(args.spill_dir, args.job, args.node)
-            spill.adopt(smp, smp.spill_dir)
         smp.peers = make_peers(args, args.node, args.job)
+        if args.persist_dir:
+            smp.disk = DiskTier(smp, args.persist_dir, args.persist_every, args.persist_keep)
+            smp.disk.adopt()
         if ec is not None:
             smp.protector = make_protector(smp, ec, smp.peers)
             smp.protector.adopt()

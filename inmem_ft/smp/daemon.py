@@ -21,7 +21,7 @@ from ..errors import ConfigError, ForeignSegment, InmemFTError, SnapshotCorrupt,
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
-from . import fields, paths, protocol, spill
+from . import fields, paths, protocol
 from .segments import Segment, free_bytes, names_with_prefix, path_of, read_record, unlink, write_record
 
 log = logging.getLogger("inmem_ft.smp")
@@ -79,7 +79,7 @@ class SMP:
         self.reads = None  # cluster.slotreads.SlotReads: serves catalog/read/pull, which may wait on peers
         self.stopping = False
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
-        self.spill_dir: str | None = None  # where SIGTERM writes the newest complete step (smp/spill.py)
+        self.disk = None  # disktier.DiskTier: periodic flush, SIGTERM flush, adoption at start
         self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
 
     # ---- memory ---------------------------------------------------------------------------------------
@@ -248,6 +248,17 @@ class SMP:
             return {"skipped": (f"erasure_coding_lag: both slots of rank {rank} hold steps that must survive (step "
                                 f"{keep}, complete, is not protected yet; step {self.protector.protected} is): "
                                 f"step {step} is not snapshotted")}
+        flushing = self.disk.pinned if self.disk is not None else frozenset()
+        if flushing:
+            # The writer thread reads a step being flushed straight from its slots: never overwritten meanwhile.
+            pins = pins | flushing
+            if all(s is not None and s.committed_step() in pins for s in slots):
+                log.warning("smp node=%d event=skipped rank=%d step=%d reason=disk_flush_lag: step %s is still being "
+                            "flushed, step %s is complete; both slots are pinned", self.node, rank, step,
+                            ",".join(map(str, sorted(flushing))), keep)
+                return {"skipped": (f"disk_flush_lag: both slots of rank {rank} hold steps that must survive (steps "
+                                    f"{sorted(flushing)} are being flushed to disk, step {keep} is complete): step "
+                                    f"{step} is not snapshotted")}
         if msg.get("reserve"):
             for i in range(SLOTS_PER_RANK):
                 if slots[i] is None or slots[i].segment.size < size:
@@ -348,6 +359,8 @@ class SMP:
     def op_complete(self, msg, conn_id):
         self._record_complete(fields.step(msg))
         self._mark_moved(self.complete_step)
+        if self.disk is not None:
+            self.disk.complete(self.complete_step)
         if self.protector is None:
             self.release_moved(self.complete_step)
         else:
@@ -483,6 +496,8 @@ class SMP:
                 "ec": self.protector.status() if self.protector is not None else None}
 
     def op_shutdown(self, msg, conn_id):
+        if self.disk is not None:
+            self.disk.drain()  # the writer thread reads slots that a wipe unmaps; never under it
         if msg.get("wipe"):
             self.wipe()
         self.stopping = True  # the handler stops the server once this reply is out
@@ -503,13 +518,14 @@ class SMP:
                     self._drop_writer(rank, "trainer disconnected mid-write")
 
     def terminate(self) -> None:
-        """SIGTERM: a preempted, cancelled or re-queued job. Spill first: memory may not outlive the job."""
-        if self.spill_dir is not None and not self.stopping:
+        """SIGTERM: a preempted, cancelled or re-queued job. Flush first: memory may not outlive the job."""
+        if self.disk is not None and not self.stopping:
             self.stopping = True
             try:
-                spill.spill(self, self.spill_dir)
-            except OSError as e:
-                log.error("smp node=%d event=spill_failed dir=%s reason=%s", self.node, self.spill_dir, e)
+                self.disk.spill()
+            except Exception as e:  # whatever went wrong, the SMP still stops
+                log.error("smp node=%d event=spill_failed dir=%s reason=%s: %s", self.node, self.disk.dir,
+                          type(e).__name__, e)
         self.server.shutdown()
 
     # ---- serving ----------------------------------------------------------------------------------------
@@ -564,6 +580,8 @@ class SMP:
             self.server.server_close()
             if self.peers is not None:
                 self.peers.close()
+            if self.disk is not None:
+                self.disk.close()
             if self.node_lock is not None:
                 self.node_lock.release()  # before the socket goes: `smp stop` returns once it is gone
             if os.path.exists(self.socket_path):

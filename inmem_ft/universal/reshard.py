@@ -1,7 +1,7 @@
 """Resharding on restore: a job back on another parallel layout builds each rank's state from the snapshots
 its old layout left in memory, read through the job-wide catalog: the local SMP's shared memory first, then
-other nodes, then parity for a lost node (or from a disk checkpoint's files, offered as slots by
-fileslots.FileSlots). Only the pieces a rank holds travel, one at a time.
+other nodes, then parity for a lost node (a disk tier's steps are slots again once an SMP adopted them).
+Only the pieces a rank holds travel, one at a time.
 
 Framework-free. This module finds the old layout's newest step that every old rank holds (the same one on
 every new rank), reads any piece of any global tensor, and decides what each new rank takes of the old
@@ -98,11 +98,6 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
                                         accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key),
                            new, t0)
     return agreed(agree_min, open_step)
-
-
-def open_files(slots, new: Topology) -> Resharding:
-    """Over the one step of fileslots.FileSlots (a disk tier's checkpoint)."""
-    return _resharding(MemorySource(slots), new, time.perf_counter())
 
 
 def agreed(agree_min, open_fn) -> Resharding:

@@ -23,8 +23,7 @@ from .assemble import Fragments, keys
 class MemorySource:
     def __init__(self, slots, step: int | None = None, *, node: int | None = None,
                  accept: Callable[[dict], bool] | None = None, listing: dict | None = None):
-        """`slots`: the local SMP's socket path, or what answers as its client does (catalog, read, close:
-        fileslots.FileSlots). `step`: default the newest one every rank holds. `node`: the reader's own node,
+        """`slots`: the local SMP's socket path, or what answers as its client does (catalog, read, close). `step`: default the newest one every rank holds. `node`: the reader's own node,
         whose copies are read first. `accept(entry)`: only the listed slots it accepts count (a reshard reads
         the old layout's). `listing`: the catalog listing, when the caller has just asked for it."""
         self.client = SMPClient(slots) if isinstance(slots, str) else slots

@@ -1,6 +1,7 @@
 """install(engine): snapshots every `interval` steps into the node's SMP, restore on start from the newest
-tier (memory, else disk), and a disk tier in the stock DeepSpeed layout. Translation only: the protocol
-(copy, commit, agreement, replication, flush) lives in inmem_ft.capture and inmem_ft.persist."""
+tier the SMPs hold (memory, peer reconstruction, or the disk tier they flushed and adopted again), and an
+explicit `engine.save_checkpoint(dir)` that writes a stock DeepSpeed checkpoint. Translation only: the protocol
+(copy, commit, agreement, replication) lives in inmem_ft.capture, the disk tier in the SMP (smp/disktier.py)."""
 from __future__ import annotations
 
 import functools
@@ -16,12 +17,11 @@ from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
-from ...errors import ConfigError, LayoutChanged, LayoutMismatch
-from ...persist.tier import DiskTier
+from ...errors import ConfigError, LayoutChanged
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
-from ...universal.reshard import agreed, open_memory
+from ...universal.reshard import open_memory
 from . import reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
@@ -32,8 +32,7 @@ MEMORY_RESHARDED = "memory resharded"
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk spill" (smp/spill.py) | "disk" | "memory resharded" |
-    # "disk resharded"
+    tier: str  # "memory" | "peer reconstruction" | "disk" (smp/disktier.py) | "memory resharded"
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
     # inmem_ft/universal/reshard.py for which old rank's)
@@ -52,21 +51,19 @@ class Handle:
         self.zero_stage = int(engine.zero_optimization_stage())
         self.zero3 = self.zero_stage == 3
         dp_group = engine.seq_data_parallel_group
-        tier = DiskTier(block.persist_dir, block.persist_every, config.interval, self._write_disk,
-                        stock.tag_of) if block.persist else None
-        self.snap = Snapshotter(config, dp_group=dp_group, disk=tier)
+        self.snap = Snapshotter(config, dp_group=dp_group)
         self.rank, self.dp_rank, self.dp_size = self.snap.rank, self.snap.dp_rank, self.snap.dp_size
         self._check_smp()
         self.scratch = os.path.join(paths.job_dir(config.job), "deepspeed-scratch")
         os.makedirs(self.scratch, exist_ok=True)
         self.ckpt = InMemCheckpointEngine(self._commit)
-        self._stock_ckpt = engine.checkpoint_engine
-        engine.checkpoint_engine = self.ckpt
-        if not self.zero3:
-            # ZeRO-0/1/2 build the model-states dict on every rank but hand it to the engine on DP rank 0
-            # only; every replica hands it over here and stores 1/DP of it (Replicated), so restore gathers
-            # it back on every rank without reading a peer's memory.
-            engine.save_non_zero_checkpoint = True
+        # (checkpoint engine, save_non_zero_checkpoint) of stock saves, and of our snapshots
+        self._stock = (engine.checkpoint_engine, engine.save_non_zero_checkpoint)
+        # ZeRO-0/1/2 build the model-states dict on every rank but hand it to the engine on DP rank 0 only; for a
+        # snapshot every replica hands it over here and stores 1/DP of it (Replicated), so restore gathers it
+        # back on every rank without reading a peer's memory.
+        self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
+        engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
@@ -103,15 +100,22 @@ class Handle:
 
         @functools.wraps(save)
         def wrapped_save(save_dir, tag=None, client_state={}, save_latest=True, **kw):
-            # The bytes go to the SMP, so a `latest` file in save_dir would point at a directory that does
-            # not exist on disk; the disk tier writes `latest` itself once a step is really there.
-            return save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
+            if save_dir == self.scratch:  # a snapshot (Handle.snapshot): the bytes go to the SMP, no `latest`
+                return save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
+            # The user's own save: a durable stock checkpoint in save_dir, by DeepSpeed's own engine and rules
+            # (loadable without inmem_ft). The overlapped copy of the last snapshot reads the same tensors.
+            self.snap.fence()
+            engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._stock
+            try:
+                return save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kw)
+            finally:
+                engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
 
         @functools.wraps(load)
         def wrapped_load(load_dir, tag=None, *a, **kw):
             self.snap.fence()
             restored = self.restored
-            if restored is not None and restored.tier != "disk" and tag == restored.tag and self._memory:
+            if restored is not None and tag == restored.tag and self._memory:
                 return self._load_memory(*self._memory, *a, **kw)
             return load(load_dir, tag, *a, **kw)
 
@@ -167,31 +171,10 @@ class Handle:
         self.engine.save_checkpoint(self.scratch, tag=stock.tag_of(int(self.engine.global_steps)))
 
     def wait(self) -> None:
-        """Until the last snapshot (and its disk flush, if due) is committed."""
+        """Until the last snapshot is committed (the disk tier is the SMPs' business)."""
         self.snap.wait()
 
-    def _write_disk(self, step: int, state: dict) -> None:
-        # Commit thread, after the step is complete on every rank. Model states of ZeRO-0/1/2 are written by
-        # DP rank 0 only, as stock does; everything else is per rank.
-        stock.write_files(self.block.persist_dir, step, state, rank=self.rank,
-                          writes=lambda name: self.dp_rank == 0 or not self._replicated(name))
-
     # ---- restoring ----------------------------------------------------------------------------------------
-    def _disk_step(self) -> int:
-        if not self.block.persist:
-            return -1
-        step = stock.step_of(self.snap.disk.latest())
-        # Rank 0's state, not this rank's: a job back on more ranks reshards the step (`latest` is written only
-        # once every rank of it wrote its files).
-        if step is None or not os.path.exists(stock.rank_state_path(self.block.persist_dir, stock.tag_of(step), 0)):
-            step = -1
-        low, high = self.snap.agree_min(step), -self.snap.agree_min(-step)
-        if low != high:
-            log.warning("restore rank=%d event=disk_disagrees: ranks see latest steps %d..%d on disk; not using it",
-                        self.rank, low, high)
-            return -1
-        return low
-
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
         t0 = time.perf_counter()
@@ -202,14 +185,10 @@ class Handle:
             if self.block.reshard == "never":
                 raise
             config = self.snap.config
-            return self._finish(self._load_resharded(MEMORY_RESHARDED, lambda: open_memory(
+            return self._finish(self._load_resharded(lambda: open_memory(
                 config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
-        mem_step = state["step"] if state is not None else -1
-        disk_step = self._disk_step()
-        if mem_step >= 0 and mem_step >= disk_step:
+        if state is not None:
             return self._finish(self._load_memory(state), t0)
-        if disk_step >= 0:
-            return self._finish(self._load_disk(disk_step), t0)
         log.info("restore rank=%d step=none source=none: starting from scratch", self.rank)
         return None
 
@@ -251,7 +230,7 @@ class Handle:
         extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
-    def _load_resharded(self, tier: str, open_source) -> Restored:
+    def _load_resharded(self, open_source) -> Restored:
         """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
         t0 = time.perf_counter()
         reshard.check_target(self.engine)
@@ -261,31 +240,14 @@ class Handle:
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}
-        if tier == MEMORY_RESHARDED:  # the SMPs keep that step until a newer one is complete (a disk load: nothing)
-            self.snap.resumed(RestoreInfo(rs.step, tier, time.perf_counter() - t0, sum(rs.bytes_read.values()),
-                                          None, phases))
-        return Restored(rs.step, tier, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
-
-    def _load_disk(self, step: int) -> Restored:
-        tag = stock.tag_of(step)
-        old, new = reshard.disk_layout(self.block.persist_dir, tag), self._layout()
-        if old.layout_key() != new.layout_key():
-            if self.block.reshard == "never":
-                raise LayoutMismatch(f"{self.block.persist_dir}/{tag} was written with {old.layout()}, this job runs "
-                                     f"with {new.layout()}: restart with the original layout, or let inmem_ft "
-                                     f"reshard it (\"reshard\": \"auto\" in the inmem_ft block)")
-            return self._load_resharded("disk resharded", lambda: agreed(
-                self.snap.agree_min, lambda: reshard.open_disk(self.block.persist_dir, step, new)))
-        path, _ = self._load(self.block.persist_dir, tag)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed did not load {tag} from {self.block.persist_dir}")
-        rank_state = stock.read_rank_state(self.block.persist_dir, tag, self.rank)
-        restore_rng_state(rank_state["rng"])
-        return Restored(step, "disk", 0.0, rank_state["extras"], tag)
+        # the SMPs keep that step until a newer one is complete
+        self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, time.perf_counter() - t0,
+                                      sum(rs.bytes_read.values()), None, phases))
+        return Restored(rs.step, MEMORY_RESHARDED, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the last commit (and flush), then let go of the SMP."""
+        """Wait for the last commit, then let go of the SMP."""
         self.snap.close()
 
 

@@ -1,5 +1,5 @@
 """A snapshot of another ZeRO stage or DP size, put into a live ZeRO-1/2/3 engine (universal/reshard.py finds
-and reads it; a disk-tier step of another layout is offered to it the same way, open_disk). Translation only:
+and reads it, from the slots the SMPs hold: in memory, or adopted from their disk tier). Translation only:
 which flat range of each parameter this rank holds, and DeepSpeed's public API to put values there
 (`deepspeed.utils.safe_set_*`), as DeepSpeed's own universal-checkpoint load does.
 
@@ -18,17 +18,14 @@ Where that API stops short (DeepSpeed 0.19.8, checked on CPU):
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 
 from ...capture import restore_rng_state
 from ...errors import ConfigError, InmemFTError
-from ...snapshot.topology import Topology
-from ...universal.fileslots import FileSlots
-from ...universal.reshard import Resharding, open_files
-from . import shards, stock
+from ...universal.reshard import Resharding
+from . import stock
 
 FP32 = "fp32_param"
 
@@ -74,41 +71,6 @@ def load(engine, rs: Resharding) -> dict:
     restore_rng_state(own["rng"])
     return {"extras": own["extras"],
             "seconds": {"read_set": round(t1 - t0, 4), "engine": round(time.perf_counter() - t1, 4)}}
-
-
-def disk_layout(directory: str, tag: str) -> Topology:
-    """The layout the disk tier's step `tag` was written on, from DP rank 0's files (memory-mapped: only their
-    small entries are read)."""
-    model = stock.load_mapped(stock.model_states_path(directory, tag))
-    optim = stock.load_mapped(os.path.join(directory, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) \
-        if os.path.exists(os.path.join(directory, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")) else {}
-    stage = int(optim.get("optimizer_state_dict", {}).get("zero_stage", 0))  # ZeRO-0 writes no such file
-    dp, tp = int(model["dp_world_size"]), int(model["mp_world_size"])
-    return Topology(framework="deepspeed", world_size=dp * tp, dp=dp, tp=tp, coords={"dp": 0, "tp": 0, "pp": 0},
-                    zero_stage=stage, position={"global_steps": int(model["global_steps"]),
-                                                "global_samples": int(model["global_samples"])})
-
-
-def open_disk(directory: str, step: int, new: Topology) -> Resharding:
-    """The disk tier's step (stock files, with each rank's inmem_ft state beside them) as a Resharding: the same
-    shard specs as a snapshot's, over the memory-mapped files."""
-    tag = stock.tag_of(step)
-    old = disk_layout(directory, tag)
-    if old.tp != 1 or old.zero_stage not in (1, 2, 3):
-        raise InmemFTError(f"{os.path.join(directory, tag)} is ZeRO-{old.zero_stage} tp{old.tp}: resharding reads "
-                           f"ZeRO-1/2/3 checkpoints without tensor parallelism")
-    files = stock.files_on_disk(directory, tag)
-    if sorted(files) != list(range(old.dp)):
-        raise InmemFTError(f"{os.path.join(directory, tag)} holds the optimizer states of DP ranks {sorted(files)}, "
-                           f"its model states say {old.dp}: the checkpoint is incomplete")
-    shapes = shards.files_param_shapes(files[0])
-    trees, topologies = {}, {}
-    for rank, own in files.items():
-        trees[rank] = {"tag": tag, "step": step, "rank": stock.read_rank_state(directory, tag, rank),
-                       "files": shards.with_specs(own, zero_stage=old.zero_stage, dp_rank=rank, dp_size=old.dp,
-                                                  param_names={}, param_shapes=shapes)}
-        topologies[rank] = Topology(**{**old.to_json(), "coords": {"dp": rank, "tp": 0, "pp": 0}})
-    return open_files(FileSlots(trees, step, topologies, os.path.join(directory, tag)), new)
 
 
 def check_target(engine) -> None:

@@ -71,12 +71,10 @@ def _moments(state: dict, pieces, wrap) -> dict:
     return out
 
 
-def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict,
-               param_shapes: list[dict] | None = None) -> dict:
+def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict) -> dict:
     """A copy of `files` ({file name: state dict}) whose tensors carry shard specs.
 
-    param_names: ZeRO-0 only, optimizer param index -> parameter name (its state is keyed by index).
-    param_shapes: default those of the model states among `files` (on disk, DP rank 0's file only has them)."""
+    param_names: ZeRO-0 only, optimizer param index -> parameter name (its state is keyed by index)."""
     def flat(t, kind, pieces):
         return Sharded(t, _flat_pieces(kind, pieces))
 
@@ -91,7 +89,7 @@ def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, para
                 sd["optimizer"] = _zero0_optimizer(sd["optimizer"], param_names)
         elif fname.endswith("optim_states.pt"):
             osd = dict(sd["optimizer_state_dict"])
-            shapes = param_shapes or files_param_shapes(files)
+            shapes = files_param_shapes(files)
             if zero_stage in (1, 2):
                 base = dict(osd["base_optimizer_state"])
                 state = dict(base["state"])

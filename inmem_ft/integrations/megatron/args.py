@@ -68,9 +68,6 @@ def read_block(path: str) -> InmemFTBlock:
 def block_from_args(args) -> InmemFTBlock:
     """The block of --inmem-ft-config with the command line's interval and job over it."""
     block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
-    if block.persist_dir or block.persist_every:
-        raise ConfigError("--inmem-ft-config: 'persist_dir'/'persist_every' are DeepSpeed's disk tier; with "
-                          "Megatron, its own --save/--save-interval checkpoints are the disk tier: remove them")
     overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)
