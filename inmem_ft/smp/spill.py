@@ -23,7 +23,7 @@ from ..snapshot import segment as seg
 
 log = logging.getLogger("inmem_ft.smp")
 SOURCE = "disk spill"  # what `list` reports, so a restore says where its snapshot came from
-_FILE = re.compile(r"^r(\d+)\.step(\d+)\.slot$")
+SLOT_FILE = re.compile(r"^r(\d+)\.step(\d+)\.slot$")
 
 
 def node_dir(base: str, job: str, node: int) -> str:
@@ -60,7 +60,7 @@ def spill(smp, directory: str) -> list[int]:
                              lambda f, n=header.data_off + header.data_len, b=slot.segment.buf: f.write(b[:n]))
                 written.add(name)
         for old in os.listdir(directory):
-            if _FILE.match(old) and old not in written:
+            if SLOT_FILE.match(old) and old not in written:
                 os.unlink(os.path.join(directory, old))
         fsync_dir(directory)
     log.info("smp node=%d event=spill steps=%s files=%d dir=%s", smp.node, ",".join(map(str, sorted(steps))),
@@ -77,7 +77,7 @@ def adopt(smp, directory: str) -> None:
         return
     # Newest first, two per rank: a spill killed half-way leaves the previous one beside it, and restore
     # takes the newest step that every rank of the job holds.
-    found = sorted((int(m[1]), -int(m[2]), name) for name in os.listdir(directory) if (m := _FILE.match(name)))
+    found = sorted((int(m[1]), -int(m[2]), name) for name in os.listdir(directory) if (m := SLOT_FILE.match(name)))
     for rank, _, name in found:
         path = os.path.join(directory, name)
         slots = smp.slots.setdefault(rank, [None] * SLOTS_PER_RANK)

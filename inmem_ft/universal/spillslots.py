@@ -1,0 +1,88 @@
+"""The SMPs' disk spill (smp/spill.py: `<spill_dir>/<job>/node<N>/r<rank>.step<step>.slot`, raw slot bytes)
+offered as committed slots, the way an SMP offers its own: `catalog()` lists one slot per file with its
+manifest, `read()` serves byte ranges of it. MemorySource reads them as it reads the SMPs', so `inmem-ft
+export --from DIR` is the same code as an export from memory and needs no SMP running.
+
+Every file is verified before it is listed (header and manifest checksums, then every tensor region's), so a
+torn or corrupted spill is an error naming the file, never garbage in an export. Files are memory-mapped:
+verifying and reading touch their pages, nothing holds a whole file.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+
+import numpy as np
+
+from ..errors import InmemFTError, SnapshotCorrupt
+from ..smp.spill import SLOT_FILE, SOURCE
+from ..snapshot import segment as seg
+
+_NODE = re.compile(r"^node(\d+)$")
+
+
+def spill_files(directory: str) -> list[tuple[int, str]]:
+    """(node, path) of every spilled slot file under `directory`: the spill base, one job's folder, or one
+    node's folder. The node is read off its `node<N>` folder (-1 when the file lies elsewhere)."""
+    if not os.path.isdir(directory):
+        raise InmemFTError(f"--from {directory}: no such directory")
+    out = []
+    for folder, _, names in os.walk(directory):
+        m = _NODE.match(os.path.basename(folder))
+        out += [(int(m[1]) if m else -1, os.path.join(folder, n)) for n in sorted(names) if SLOT_FILE.match(n)]
+    if not out:
+        raise InmemFTError(f"--from {directory}: no spilled slots (r<rank>.step<step>.slot) in it or below it; give "
+                           f"the SMPs' spill directory (`spill_dir`, written on SIGTERM) or one job's folder in it")
+    return out
+
+
+class SpillSlots:
+    def __init__(self, directory: str):
+        self.where = directory
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._entries: list[dict] = []
+        try:
+            for node, path in spill_files(directory):
+                self._add(node, path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _add(self, node: int, path: str) -> None:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < seg.HEADER_SIZE:
+                raise SnapshotCorrupt(f"{path}: {size} bytes, shorter than a slot header: a torn spill file; "
+                                      f"remove it (its node's snapshot is then missing) or export from the SMPs")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            header, manifest = seg.verify(memoryview(buf), path)
+        except SnapshotCorrupt as e:  # the map is left to the collector: the traceback still holds views of it
+            raise SnapshotCorrupt(f"{e}; the spill is torn or damaged: remove the file (its node's snapshot is "
+                                  f"then missing) or export from the SMPs") from None
+        rank, step = manifest["rank"], header.step
+        if (rank, step) in self._maps:  # the same slot spilled by two nodes: identical, verified; keep one
+            buf.close()
+            return
+        self._maps[(rank, step)] = buf
+        self._entries.append({"node": node, "rank": rank, "step": step, "segment": None, "data_off": header.data_off,
+                              "data_len": header.data_len, "manifest_len": header.manifest_len, "source": SOURCE,
+                              "manifest": manifest})
+
+    def catalog(self, step: int | None = None) -> dict:
+        return {"entries": [e for e in self._entries if step is None or e["step"] == step], "unreachable": []}
+
+    def read(self, node: int, rank: int, step: int, offset: int, length: int, into: np.ndarray | None = None):
+        """Bytes [offset, offset+length) of `rank`'s slot of `step` (offsets from the slot's start, as the
+        catalog's), as SMPClient.read returns them."""
+        data = np.frombuffer(self._maps[(rank, step)], dtype=np.uint8, count=length, offset=offset)
+        if into is None:
+            return data.copy(), SOURCE
+        into[:] = data
+        return into, SOURCE
+
+    def close(self) -> None:
+        for buf in self._maps.values():
+            buf.close()
+        self._maps.clear()
