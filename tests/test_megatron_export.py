@@ -97,6 +97,24 @@ def test_megatron_dist_export_loads_in_stock_megatron_on_another_tp_layout(sourc
     stock_megatron_loads(source, out, "tp1", [], 1)
 
 
+def test_a_megatron_snapshot_as_deepspeed_universal_is_a_clear_error(source, tmp_path, capsys):
+    from inmem_ft.cli import main
+
+    assert main(["export", "--job", source["job"], "--socket", source["socket"], "--format", "deepspeed-universal",
+                 "--out", str(tmp_path / "u"), "--quiet"]) == 1
+    assert (f"--format deepspeed-universal needs a DeepSpeed snapshot; step {STEP} was taken by 'megatron': export "
+            f"it with --format megatron-dist") in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_megatron_dist_export_loads_in_stock_megatron_on_pp2(source):
+    out = source["tmp"] / "mdist_pp2"
+    proc = cli("export", "--job", source["job"], "--socket", source["socket"], "--format", "megatron-dist",
+               "--out", out, "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock_megatron_loads(source, out, "pp2", ["--pipeline-model-parallel-size", "2"], 2)
+
+
 def test_export_from_the_spill_with_no_smp_running_is_verified_and_whole(source):
     tmp = source["tmp"]
     source["cluster"].smps[0].send_signal(signal.SIGTERM)  # spills step 6, then the SMP is gone

@@ -85,8 +85,8 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     problems += [f"{k}: {c['hole']}" for k, c in sorted(found.items()) if c["hole"]]
     if problems:
         raise InmemFTError(f"step {src.step}'s global tensors do not cover what Megatron saved ("
-                           f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}): a distributed-optimizer "
-                           f"snapshot in bucket space leaves padding out; export it with --format torch-dcp")
+                           f"{'; '.join(problems[:3])}{' ...' if len(problems) > 3 else ''}): Megatron's load needs "
+                           f"each whole; `inmem-ft inspect --step {src.step}` shows what is missing")
     tensors = {k: torch.empty(c["global_shape"], dtype=dtype_from_name(c["dtype"]), device="meta")
                for k, c in found.items()}
     return int(common.get("iteration", src.step)), common, objects, tensors
