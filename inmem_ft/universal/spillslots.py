@@ -4,8 +4,9 @@ manifest, `read()` serves byte ranges of it. MemorySource reads them as it reads
 export --from DIR` is the same code as an export from memory and needs no SMP running.
 
 Every file is verified before it is listed (header and manifest checksums, then every tensor region's), so a
-torn or corrupted spill is an error naming the file, never garbage in an export. Files are memory-mapped:
-verifying and reading touch their pages, nothing holds a whole file.
+torn or corrupted spill is an error naming the file, never garbage in an export. Files are memory-mapped, and
+the pages verified or read are let go at once: the process holds at most one file's pages (while verifying
+it), then one piece at a time.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class SpillSlots:
         except SnapshotCorrupt as e:  # the map is left to the collector: the traceback still holds views of it
             raise SnapshotCorrupt(f"{e}; the spill is torn or damaged: remove the file (its node's snapshot is "
                                   f"then missing) or export from the SMPs") from None
+        _drop(buf, 0, size)  # verified: its pages are faulted in again only as pieces are read
         rank, step = manifest["rank"], header.step
         if (rank, step) in self._maps:  # the same slot spilled by two nodes: identical, verified; keep one
             buf.close()
@@ -76,13 +78,23 @@ class SpillSlots:
     def read(self, node: int, rank: int, step: int, offset: int, length: int, into: np.ndarray | None = None):
         """Bytes [offset, offset+length) of `rank`'s slot of `step` (offsets from the slot's start, as the
         catalog's), as SMPClient.read returns them."""
-        data = np.frombuffer(self._maps[(rank, step)], dtype=np.uint8, count=length, offset=offset)
-        if into is None:
-            return data.copy(), SOURCE
-        into[:] = data
-        return into, SOURCE
+        buf = self._maps[(rank, step)]
+        data = np.frombuffer(buf, dtype=np.uint8, count=length, offset=offset)
+        out = data.copy() if into is None else into
+        if into is not None:
+            into[:] = data
+        del data
+        _drop(buf, offset, length)
+        return out, SOURCE
 
     def close(self) -> None:
         for buf in self._maps.values():
             buf.close()
         self._maps.clear()
+
+
+def _drop(buf: mmap.mmap, offset: int, length: int) -> None:
+    """Unmap the pages of [offset, offset+length) from this process (they stay in the page cache): what an
+    export holds stays one piece, not every file it has read."""
+    lo = offset - offset % mmap.PAGESIZE
+    buf.madvise(mmap.MADV_DONTNEED, lo, min(len(buf), offset + length) - lo)
