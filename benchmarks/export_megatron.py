@@ -148,7 +148,8 @@ def main() -> None:
     print(f"step {results['step']}: {results['tensors']} global tensors, state {results['state_mib']:.1f} MiB, "
           f"largest tensor {results['largest_tensor_mib']:.1f} MiB")
     for src in ("memory", "spill"):
-        print(f"from {src:7} export {med[src]['export_s']:8.2f} s   peak extra RSS {med[src]['peak_extra_mib']:8.1f} MiB")
+        print(f"from {src:7} export {med[src]['export_s']:8.2f} s   "
+              f"peak extra RSS {med[src]['peak_extra_mib']:8.1f} MiB")
     print(f"spill / memory export time: {results['spill_vs_memory_s']:.2f}")
     print(json.dumps({k: v for k, v in results.items() if k != "rounds"}))
     report.write(results, opts.json, plot, opts.plot)

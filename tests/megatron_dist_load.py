@@ -31,7 +31,8 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(i))
-        start, stride = int(torch.randint(0, self.vocab, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        start = int(torch.randint(0, self.vocab, (1,), generator=g))
+        stride = int(torch.randint(1, 4, (1,), generator=g))
         seq = (start + stride * torch.arange(self.seq + 1)) % self.vocab
         return {"tokens": seq[:-1], "labels": seq[1:], "loss_mask": torch.ones(self.seq),
                 "position_ids": torch.arange(self.seq), "attention_mask": self.mask}

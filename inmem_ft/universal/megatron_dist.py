@@ -67,6 +67,7 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     if topo.get("framework") != "megatron":
         raise InmemFTError(f"--format megatron-dist needs a Megatron snapshot; step {src.step} was taken by "
                            f"{topo.get('framework')!r}: export it with --format deepspeed-universal or torch-dcp")
+    from ..integrations.megatron.manager import replica_tuple
     from ..integrations.megatron.patch import register_safe_classes  # imports megatron: only for this format
 
     register_safe_classes()  # the common state's Namespace and enums come back as themselves
@@ -76,9 +77,7 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     for rank in sorted(src.manifests):
         keys.update(t["key"] for t in src.state(rank, "tensors"))
         for obj in src.state(rank, "objects"):
-            main = all(r == 0 for r in (obj["replica_id"] if isinstance(obj["replica_id"], (list, tuple))
-                                        else (obj["replica_id"],)))
-            if main or unique_key(obj) not in objects:
+            if not any(replica_tuple(obj["replica_id"])) or unique_key(obj) not in objects:  # the main copy wins
                 objects[unique_key(obj)] = obj["data"]
     found = {c["key"]: c for c in coverage(src.table) if c["key"] in keys}
     problems = [f"{k}: not in the catalog" for k in sorted(keys - set(found))]
