@@ -5,8 +5,7 @@ export --from DIR` is the same code as an export from memory and needs no SMP ru
 
 Every file is verified before it is listed (header and manifest checksums, then every tensor region's), so a
 torn or corrupted spill is an error naming the file, never garbage in an export. Files are memory-mapped, and
-the pages verified or read are let go at once: the process holds at most one file's pages (while verifying
-it), then one piece at a time.
+the pages of each region verified or piece read are let go at once: the process holds one region or piece.
 """
 from __future__ import annotations
 
@@ -57,12 +56,13 @@ class SpillSlots:
                 raise SnapshotCorrupt(f"{path}: {size} bytes, shorter than a slot header: a torn spill file; "
                                       f"remove it (its node's snapshot is then missing) or export from the SMPs")
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            header, manifest = seg.verify(memoryview(buf), path)
+        try:  # as seg.verify, letting go of each region's pages once checked: they fault in again when read
+            header, manifest = seg.read_committed(memoryview(buf), path)
+            seg.verify_regions(memoryview(buf), header, manifest, path, lambda o, n: _drop(buf, o, n))
         except SnapshotCorrupt as e:  # the map is left to the collector: the traceback still holds views of it
             raise SnapshotCorrupt(f"{e}; the spill is torn or damaged: remove the file (its node's snapshot is "
                                   f"then missing) or export from the SMPs") from None
-        _drop(buf, 0, size)  # verified: its pages are faulted in again only as pieces are read
+        _drop(buf, 0, size)
         rank, step = manifest["rank"], header.step
         if (rank, step) in self._maps:  # the same slot spilled by two nodes: identical, verified; keep one
             buf.close()
