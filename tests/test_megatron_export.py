@@ -36,9 +36,10 @@ if importlib.util.find_spec("megatron") is None:  # not importorskip: importing 
 # loaded into a run of the same --train-iters (Megatron's scheduler refuses another), going on to 8.
 STEP, ITERS, INTERVAL = 6, 8, 3
 TP2 = ["--tensor-model-parallel-size", "2"]
-# The CLI, where no CUDA (and so no triton) is: Megatron's modules import only behind the test shim.
-CLI = ("import sys; sys.path.insert(0, {tests!r}); import megatron_cpu_shim; megatron_cpu_shim.install(); "
-       "from inmem_ft.cli import main; sys.exit(main(sys.argv[1:]))")
+CLI = "import sys; from inmem_ft.cli import main; sys.exit(main(sys.argv[1:]))"
+# Where no CUDA (and so no triton) is, Megatron's modules import only behind the test shim.
+SHIM = f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'tests')!r}); import megatron_cpu_shim; " \
+       f"megatron_cpu_shim.install(); "
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +67,8 @@ def source(tmp_path_factory):
 
 
 def cli(*argv) -> subprocess.CompletedProcess:
-    code = CLI.format(tests=os.path.join(ROOT, "tests")) if CPU else "from inmem_ft.cli import main; import sys; " \
-                                                                     "sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", (SHIM if CPU else "") + CLI, *map(str, argv)], capture_output=True,
+                          text=True, timeout=300)
 
 
 def stock_megatron_loads(source, out, name: str, layout: list[str], world: int) -> dict:
@@ -116,6 +116,7 @@ def test_megatron_dist_export_loads_in_stock_megatron_on_pp2(source):
 
 
 def test_export_from_the_spill_with_no_smp_running_is_verified_and_whole(source):
+    """Last in the module: it stops the SMP."""
     tmp = source["tmp"]
     source["cluster"].smps[0].send_signal(signal.SIGTERM)  # spills step 6, then the SMP is gone
     assert source["cluster"].smps[0].wait(timeout=60) == 0
