@@ -4,8 +4,8 @@ side by side in one run.
     python benchmarks/export_megatron.py --quick --json out/export_megatron.json [--plot out/export_megatron.png]
 
 One GPT (Megatron-Core 0.19.2's pretrain loop, inmem_ft/examples/megatron_gpt.py; on CPU through the test
-shim) trains on 2 ranks at TP=2 until its snapshot at `--iters`; the SMP then spills it (SIGTERM) and comes
-back with it (it adopts the spill). Then, alternating for `repeats` rounds, the CLI exports that step from
+shim) trains on 2 ranks at TP=2 until its snapshot at `--iters`; an SMP then spills it (SIGTERM) and the next
+one serves it again. Then, alternating for `repeats` rounds, the CLI exports that step from
 memory and from the spill, each in a fresh process:
   export_s          the export's own time (read every global tensor, write it), as the CLI reports it
   peak_extra_mib    the exporter's peak RSS above its RSS once everything is imported: what the export
@@ -72,6 +72,7 @@ def orchestrate(opts) -> dict:
     import torch
 
     from inmem_ft.launcher.simulated import SimulatedCluster
+    from inmem_ft.smp import control
     from inmem_ft.smp.segments import names_with_prefix, unlink
     from inmem_ft.universal.source import MemorySource
 
@@ -81,8 +82,7 @@ def orchestrate(opts) -> dict:
     job, spill = f"xbench{uuid.uuid4().hex[:8]}", os.path.join(work, "spill")
     rounds: dict[str, list[dict]] = {"memory": [], "spill": []}
     try:
-        with SimulatedCluster(1, 2, job, 4 << 30, os.path.join(work, "logs"),
-                              smp_args=["--spill-dir", spill]) as cluster:
+        with SimulatedCluster(1, 2, job, 4 << 30, os.path.join(work, "logs")) as cluster:
             report.say(f"training {opts.layers}x{opts.hidden} at TP=2 to iteration {opts.iters} ...")
             attempt = cluster.run(["-m", "inmem_ft.examples.megatron_gpt", *model_argv(opts)])
             if not attempt.ok:
@@ -90,9 +90,18 @@ def orchestrate(opts) -> dict:
             with MemorySource(cluster.socket_path(0)) as src:
                 shapes = {k: src.fragments.shape(k) for k in src.keys()}
                 sizes = [torch.Size(s).numel() * src.fragments.dtype(k).itemsize for k, s in shapes.items()]
-            cluster.smps[0].send_signal(signal.SIGTERM)  # spill, then back with the same step (it adopts it)
-            cluster.smps[0].wait(timeout=300)
-            cluster.start_smp(0)
+            # An SMP with a spill directory takes the slots over from shared memory, spills them on SIGTERM, and
+            # the next one serves them again.
+            cluster.kill_smp(0)
+
+            def smp():
+                return control.start(job, 0, cluster.memory_budget, cluster.socket_path(0), cluster.smp_log(0),
+                                     extra_args=["--peers", cluster.peers, "--spill-dir", spill], env=cluster.env)
+
+            spiller = smp()
+            spiller.send_signal(signal.SIGTERM)
+            spiller.wait(timeout=300)
+            cluster.smps[0] = smp()
             for r in range(opts.repeats):
                 with report.phase(f"round {r + 1}/{opts.repeats}"):
                     rounds["memory"].append(export(["--job", job, "--socket", cluster.socket_path(0)],

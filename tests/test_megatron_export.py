@@ -24,6 +24,7 @@ from conftest import ROOT
 from inmem_ft.errors import InmemFTError, SnapshotCorrupt, StepIncomplete
 from inmem_ft.examples.megatron_gpt import CPU, CPU_DEFAULTS, DEFAULTS
 from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp import control
 from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.universal.source import MemorySource
 from inmem_ft.universal.spillslots import SpillSlots
@@ -52,8 +53,7 @@ def source(tmp_path_factory):
         mp.setenv("INMEM_FT_RUNTIME_DIR", str(tmp / "run"))
         mp.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         try:
-            with SimulatedCluster(1, 2, job, 256 << 20, str(tmp / "logs"),
-                                  smp_args=["--spill-dir", str(tmp / "spill")]) as cluster:
+            with SimulatedCluster(1, 2, job, 256 << 20, str(tmp / "logs")) as cluster:
                 attempt = cluster.run(["-m", "inmem_ft.examples.megatron_gpt", "--train-iters", str(ITERS), *TP2,
                                        "--inmem-ft", "--inmem-ft-interval", str(INTERVAL), "--die-at", str(STEP + 1)])
                 assert attempt.returncodes[0] == -9, cluster.rank_log(attempt.number, 0)[-4000:]
@@ -118,8 +118,12 @@ def test_megatron_dist_export_loads_in_stock_megatron_on_pp2(source):
 def test_export_from_the_spill_with_no_smp_running_is_verified_and_whole(source):
     """Last in the module: it stops the SMP."""
     tmp = source["tmp"]
-    source["cluster"].smps[0].send_signal(signal.SIGTERM)  # spills step 6, then the SMP is gone
-    assert source["cluster"].smps[0].wait(timeout=60) == 0
+    cluster = source["cluster"]
+    cluster.kill_smp(0)  # its slots stay in shared memory; one with a spill directory takes them over
+    smp = control.start(cluster.job, 0, cluster.memory_budget, cluster.socket_path(0), cluster.smp_log(0),
+                        extra_args=["--peers", cluster.peers, "--spill-dir", str(tmp / "spill")], env=cluster.env)
+    smp.send_signal(signal.SIGTERM)  # spills steps 3 and 6, then no SMP runs
+    assert smp.wait(timeout=60) == 0
     out = tmp / "from_spill"
     proc = cli("export", "--from", tmp / "spill", "--format", "megatron-dist", "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]

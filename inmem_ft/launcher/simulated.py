@@ -62,19 +62,18 @@ class Attempt:
 class SimulatedCluster:
     def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, log_dir: str,
                  env: dict | None = None, parity: int | None = None, group_size: int | None = None,
-                 ec_bandwidth: int | None = None, workers: str = "plain", smp_args: list[str] | None = None):
+                 ec_bandwidth: int | None = None, workers: str = "plain"):
         """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
         secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
         erasure coding across the nodes. `workers`: "plain" runs each rank as `python argv...`, rank 0 serving
         the rendezvous store; "cold" runs it through inmem_ft.launcher.worker, which records when it started and
         rendezvoused (worker_record), and serves the store from here, as torchrun's agent does; "standby" does
-        too, and hands each rank to its slot's warm standby when there is one (start_standbys). `smp_args`: more
-        arguments for every SMP (e.g. --spill-dir)."""
+        too, and hands each rank to its slot's warm standby when there is one (start_standbys)."""
         if workers not in WORKERS:
             raise ValueError(f"workers={workers!r}: expected one of {WORKERS}")
         self.nodes, self.ranks_per_node, self.job = nodes, ranks_per_node, paths.check_job(job)
         self.world_size = nodes * ranks_per_node
-        self.memory_budget, self.log_dir, self.smp_args = memory_budget, log_dir, list(smp_args or ())
+        self.memory_budget, self.log_dir = memory_budget, log_dir
         # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
         self.env = {"OMP_NUM_THREADS": "1", "INMEM_FT_SECRET": secrets.token_hex(16), **os.environ, **(env or {})}
         self.smps: dict[int, subprocess.Popen] = {}
@@ -112,8 +111,7 @@ class SimulatedCluster:
     def start_smp(self, node: int) -> None:
         self.smps[node] = control.start(self.job, node, self.memory_budget, self.socket_path(node),
                                         self.smp_log(node),
-                                        extra_args=[*(self.ec.argv() if self.ec else ["--peers", self.peers]),
-                                                    *self.smp_args], env=self.env)
+                                        extra_args=self.ec.argv() if self.ec else ["--peers", self.peers], env=self.env)
 
     def start(self) -> "SimulatedCluster":
         for node in range(self.nodes):
