@@ -250,8 +250,14 @@ def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: 
 def cmd_export(args) -> int:
     from .universal.export import export
 
-    done = export(_socket(args), args.format, args.out, args.step, progress=not args.quiet)
-    print(f"inmem-ft: exported step {done['step']} of job {args.job} as {done['format']} to {done['path']}: "
+    if args.from_dir:
+        from .universal.diskslots import DiskSlots
+
+        slots, what = DiskSlots(args.from_dir), f"the disk tier in {args.from_dir}"
+    else:
+        slots, what = _socket(args), f"job {args.job}"
+    done = export(slots, args.format, args.out, args.step, progress=not args.quiet)
+    print(f"inmem-ft: exported step {done['step']} of {what} as {done['format']} to {done['path']}: "
           f"{done['tensors']} global tensors, {units.human(done['bytes'])}, {done['seconds']:.1f} s")
     return 0
 
@@ -342,14 +348,20 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the catalog as JSON (default: tables)")
     inspect.set_defaults(fn=cmd_inspect)
 
-    export = sub.add_parser("export", help="write a step held in memory (any node's, parity for a lost one) "
-                                           "as a checkpoint stock tools load, one global tensor at a time")
+    export = sub.add_parser("export", help="write a step held in memory (any node's, parity for a lost one) or "
+                                           "flushed to disk as a checkpoint stock tools load, one global tensor at "
+                                           "a time")
     _node_args(export)
     export.add_argument("--step", type=int, default=None,
                         help="the step to export (default: the newest step held for every rank)")
-    export.add_argument("--format", required=True, choices=["deepspeed-universal", "torch-dcp"],
+    export.add_argument("--format", required=True, choices=["deepspeed-universal", "megatron-dist", "torch-dcp"],
                         help="deepspeed-universal: what ds_to_universal writes, for \"load_universal\": true at "
-                             "ZeRO-1/2/3 on any DP size; torch-dcp: torch.distributed.checkpoint of every global tensor (required)")
+                             "ZeRO-1/2/3 on any DP size; megatron-dist: a torch_dist checkpoint Megatron's --load "
+                             "reads on any TP/PP layout; torch-dcp: torch.distributed.checkpoint of every global "
+                             "tensor (required)")
+    export.add_argument("--from", dest="from_dir", metavar="DIR", default=None,
+                        help="read the step from the SMPs' disk tier (their persist_dir, a job's folder in it or "
+                             "one node's), verified, instead of from the SMPs; no SMP needs to run (default: from memory)")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory, created if missing (required)")
     export.add_argument("--quiet", action="store_true", help="no progress bar (default: one on stderr)")
     export.set_defaults(fn=cmd_export)

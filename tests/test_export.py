@@ -114,3 +114,12 @@ def test_torch_dcp_export_loads_in_a_fresh_process(source):
     assert got["imported_inmem_ft"] is False
     assert got["keys"] == sorted(truth) and got["mismatched"] == []
     assert got["step"] == STEP and got["topology"]["zero_stage"] == 2 and got["topology"]["dp"] == 4
+
+
+def test_a_deepspeed_snapshot_as_megatron_dist_is_a_clear_error(source, tmp_path, capsys):
+    from inmem_ft.cli import main
+
+    assert main(["export", "--job", source["job"], "--socket", source["socket"], "--format", "megatron-dist",
+                 "--out", str(tmp_path / "m"), "--quiet"]) == 1
+    assert "--format megatron-dist needs a Megatron snapshot; step 4 was taken by 'deepspeed'" in capsys.readouterr().err
+    assert not (tmp_path / "m" / "latest_checkpointed_iteration.txt").exists()

@@ -32,7 +32,7 @@ from ..snapshot import segment as seg
 log = logging.getLogger("inmem_ft.smp")
 SOURCE = "disk"  # what `list` reports, so a restore says where its snapshot came from
 LATEST = "latest"
-_FILE = re.compile(r"^r(\d+)\.step(\d+)\.slot$")
+SLOT_FILE = re.compile(r"^r(\d+)\.step(\d+)\.slot$")
 _DONE = re.compile(r"^step(\d+)\.done$")
 
 
@@ -51,7 +51,7 @@ def flushed_steps(directory: str) -> dict[int, list[str]]:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("event=discard file=%s reason=unreadable flush marker: %s", name, e)
                 continue
-            if isinstance(files, list) and all(isinstance(n, str) and _FILE.match(n) for n in files):
+            if isinstance(files, list) and all(isinstance(n, str) and SLOT_FILE.match(n) for n in files):
                 out[int(m[1])] = files
     return out
 
@@ -181,7 +181,7 @@ class DiskTier:
         for step in set(flushed) - keep:
             os.unlink(os.path.join(self.dir, f"step{step}.done"))
         for name in os.listdir(self.dir):
-            if _FILE.match(name) and name not in named:
+            if SLOT_FILE.match(name) and name not in named:
                 os.unlink(os.path.join(self.dir, name))
         fsync_dir(self.dir)
 
@@ -193,7 +193,7 @@ class DiskTier:
             return
         named = {name for files in flushed_steps(self.dir).values() for name in files}
         for name in os.listdir(self.dir):
-            if name.endswith(TMP_SUFFIX) or (_FILE.match(name) and name not in named):
+            if name.endswith(TMP_SUFFIX) or (SLOT_FILE.match(name) and name not in named):
                 log.info("smp node=%d event=clean file=%s reason=%s", self.smp.node, name,
                          "temporary file" if name.endswith(TMP_SUFFIX) else "no flush marker names it (torn flush)")
                 os.unlink(os.path.join(self.dir, name))
@@ -208,7 +208,7 @@ class DiskTier:
         if any(s is not None for slots in smp.slots.values() for s in slots):
             return
         # Newest first, two per rank: restore takes the newest step that every rank of the job holds.
-        found = sorted((int(_FILE.match(name)[1]), -step, name)
+        found = sorted((int(SLOT_FILE.match(name)[1]), -step, name)
                        for step, names in flushed_steps(self.dir).items() for name in names)
         for rank, _, name in found:
             path = os.path.join(self.dir, name)

@@ -121,13 +121,17 @@ def check_format(manifest: dict, where: str) -> None:
                             f"or from the disk tier (the snapshot is kept)")
 
 
-def verify_regions(buf, header: Header, manifest: dict, where: str) -> None:
-    """Check every tensor region's checksum; raise SnapshotCorrupt naming the first bad one."""
+def verify_regions(buf, header: Header, manifest: dict, where: str, checked=None) -> None:
+    """Check every tensor region's checksum; raise SnapshotCorrupt naming the first bad one. `checked(offset,
+    length)` hears of each region (offsets from the slot's start) once it passed: a reader of a mapped file
+    lets go of its pages there."""
     data = data_view(buf, header)
     for i, leaf in enumerate(manifest["leaves"]):
         if "o" in leaf and checksum(data[leaf["o"]: leaf["o"] + leaf["n"]]) != int(leaf["h"], 16):
             raise SnapshotCorrupt(f"{where}: step {header.step} tensor #{i} ({leaf['dt']}{leaf['sh']}) "
                                   f"fails its checksum: the bytes in memory were corrupted")
+        if "o" in leaf and checked is not None:
+            checked(header.data_off + leaf["o"], leaf["n"])
     rep = manifest.get("replicated")
     if rep and checksum(data[rep["o"]: rep["o"] + rep["hi"] - rep["lo"]]) != int(rep["h"], 16):
         raise SnapshotCorrupt(f"{where}: step {header.step} replicated share fails its checksum")

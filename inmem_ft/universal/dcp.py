@@ -21,7 +21,9 @@ from ..snapshot.tree import dtype_from_name
 from .source import MemorySource
 
 
-class _FromMemory(DefaultSavePlanner):
+class FromMemory(DefaultSavePlanner):
+    """Resolves each meta tensor of the state dict by reading it from `src` only when the writer asks for it."""
+
     def __init__(self, src: MemorySource, bar):
         super().__init__()
         self.src, self.bar, self.nbytes = src, bar, 0
@@ -45,7 +47,7 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     bar.reset(total=len(state))
     state["step"] = src.step
     state["topology"] = json.dumps(src.topology)
-    planner = _FromMemory(src, bar)
+    planner = FromMemory(src, bar)
     # One file per tensor: torch 2.13's writer keeps a reference to every tensor of a file until the file is
     # done (for its safetensors format), so one file per rank would hold the whole state at once.
     writer = FileSystemWriter(out, single_file_per_rank=False, thread_count=1)

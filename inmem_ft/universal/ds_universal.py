@@ -41,7 +41,7 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]
     topo = src.topology
     if topo.get("framework") != "deepspeed":
         raise InmemFTError(f"--format deepspeed-universal needs a DeepSpeed snapshot; step {src.step} was taken "
-                           f"by {topo.get('framework')!r}: export it with --format torch-dcp")
+                           f"by {topo.get('framework')!r}: export it with --format megatron-dist or torch-dcp")
     if topo.get("zero_stage") not in (1, 2, 3) or topo.get("tp", 1) > 1 or topo.get("pp", 1) > 1:
         raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor or pipeline "
                            f"parallelism; this snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} "

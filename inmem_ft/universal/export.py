@@ -1,7 +1,9 @@
-"""`inmem-ft export`: one complete step of a job, read from memory, written in a format stock tools load.
+"""`inmem-ft export`: one complete step of a job, read from memory (or from the SMPs' disk tier), written in a
+format stock tools load.
 
-Formats: `deepspeed-universal` (ds_universal.py) and `torch-dcp` (dcp.py). Each reads one global tensor at a
-time through the local SMP (other nodes' bytes, parity for a lost node) and writes it before the next.
+Formats: `deepspeed-universal` (ds_universal.py), `megatron-dist` (megatron_dist.py) and `torch-dcp` (dcp.py).
+Each reads one global tensor at a time, through the local SMP (other nodes' bytes, parity for a lost node) or
+from the disk tier's files (diskslots.py, verified first), and writes it before the next.
 """
 from __future__ import annotations
 
@@ -10,17 +12,18 @@ import time
 
 from tqdm import tqdm
 
-from . import dcp, ds_universal
+from . import dcp, ds_universal, megatron_dist
 from .source import MemorySource
 
-FORMATS = {"deepspeed-universal": ds_universal, "torch-dcp": dcp}
+FORMATS = {"deepspeed-universal": ds_universal, "megatron-dist": megatron_dist, "torch-dcp": dcp}
 
 
-def export(socket_path: str, fmt: str, out: str, step: int | None = None, progress: bool = True) -> dict:
-    """Returns {step, format, path, tensors, bytes, seconds}."""
+def export(slots, fmt: str, out: str, step: int | None = None, progress: bool = True) -> dict:
+    """`slots`: the local SMP's socket path, or a diskslots.DiskSlots. Returns {step, format, path, tensors,
+    bytes, seconds}."""
     writer = FORMATS[fmt]
     t0 = time.monotonic()
-    with MemorySource(socket_path, step) as src:
+    with MemorySource(slots, step) as src:
         os.makedirs(out, exist_ok=True)
         with tqdm(desc=f"export step {src.step} as {fmt}", unit="tensor", disable=not progress,
                   delay=0.5) as bar:

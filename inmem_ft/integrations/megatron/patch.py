@@ -22,12 +22,14 @@ def check_version() -> str:
     return release
 
 
-def register_safe_classes(args) -> None:
+def register_safe_classes(args=None) -> None:
     """The common part of Megatron's state (args, rerun state) holds a Namespace and Enums; allow exactly
     those in snapshots: Megatron's enum modules (`args.model_type` is set only later, in get_model) and the
-    enums already in args (e.g. signal.Signals)."""
+    enums already in args (e.g. signal.Signals). Without `args` (a tool decoding a snapshot): signal.Signals,
+    the one such enum Megatron's own safe globals name."""
     import argparse
     import enum
+    import signal
 
     import megatron.core.enums
     import megatron.core.rerun_state_machine
@@ -35,7 +37,9 @@ def register_safe_classes(args) -> None:
 
     from ...snapshot import register_safe_class
 
-    register_safe_class(argparse.Namespace, *{type(v) for v in vars(args).values() if isinstance(v, enum.Enum)})
+    in_args = ({type(v) for v in vars(args).values() if isinstance(v, enum.Enum)} if args is not None
+               else {signal.Signals})
+    register_safe_class(argparse.Namespace, *in_args)
     for module in (megatron.core.enums, megatron.core.transformer.enums, megatron.core.rerun_state_machine):
         register_safe_class(*(v for v in vars(module).values()
                               if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__))
