@@ -177,7 +177,7 @@ def megatron_worker(out: str, argv: list[str]) -> None:
             t0 = time.perf_counter()
             got = call(*a, **kw)
             dist.barrier()
-            result[name] = time.perf_counter() - t0
+            result.setdefault(name, []).append(time.perf_counter() - t0)
             return got
         return run
 
@@ -226,8 +226,10 @@ def megatron_row(tmp: str, quick: bool, steps: int) -> dict:
     layers, hidden = (2, 256) if quick else (4, 512)
     model = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
              "--seq-length", "128", "--max-position-embeddings", "128", "--vocab-size", "1024",
-             "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
-             "--train-iters", str(steps)]
+             "--make-vocab-size-divisible-by", "32", "--micro-batch-size", "1", "--global-batch-size", "4"]
+    # Both layouts run to `steps` + 1 (Megatron's scheduler refuses a changed --train-iters, its sampler a
+    # start with no samples left): the new one loads iteration `steps` (stock: --ckpt-step) and trains one.
+    model += ["--train-iters", str(steps + 1)]
     old, new = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []
     ours = ["--use-distributed-optimizer", "--inmem-ft", "--inmem-ft-interval", str(steps)]
     ckpt = os.path.join(tmp, "megatron_ckpt")
@@ -240,14 +242,16 @@ def megatron_row(tmp: str, quick: bool, steps: int) -> dict:
             with report.phase(what):
                 attempt = cluster.run([os.path.abspath(__file__), "--megatron-worker", result, *model, *argv],
                                       timeout_s=3600)
-            if not attempt.ok:
-                raise RuntimeError(f"{what} failed:\n{cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:]}")
+            if not attempt.ok or not all(os.path.exists(f"{result}.rank{r}.json") for r in range(cluster.world_size)):
+                bad = attempt.first_failure or 0
+                raise RuntimeError(f"{what} failed:\n{cluster.rank_log(attempt.number, bad)[-4000:]}")
             per_rank = []
             for rank in range(cluster.world_size):
                 with open(f"{result}.rank{rank}.json") as f:
                     per_rank.append(json.load(f))
-            return {"load_s": max(r.get("load_s", 0.0) for r in per_rank),
-                    "save_s": max(r.get("save_s", 0.0) for r in per_rank), "tier": per_rank[0].get("tier")}
+            # the first call of each (the stock old layout saves again at its last iteration)
+            return {**{name: max(r[name][0] for r in per_rank) for name in ("load_s", "save_s")
+                       if name in per_rank[0]}, "tier": per_rank[0].get("tier")}
 
         launch("m_inmem_source", "Megatron TP2xPP2: train, inmem_ft snapshot", old + ours)
         got = launch("m_inmem_load", "Megatron TP1xDP4: inmem_ft reshard from memory", new + ours)
@@ -255,7 +259,7 @@ def megatron_row(tmp: str, quick: bool, steps: int) -> dict:
         out["megatron_stock_save_s"] = launch("m_stock_source", "Megatron TP2xPP2: train, torch_dist save",
                                               old + stock_save)["save_s"]
         out["megatron_stock_load_s"] = launch("m_stock_load", "Megatron TP1xDP4: torch_dist load (resharded)",
-                                              new + ["--load", ckpt])["load_s"]
+                                              new + ["--load", ckpt, "--ckpt-step", str(steps)])["load_s"]
     out["megatron_stock_route_s"] = out["megatron_stock_save_s"] + out["megatron_stock_load_s"]
     out["megatron_ratio"] = out["megatron_inmem_load_s"] / out["megatron_stock_route_s"]
     out["megatron_ratio_vs_load"] = out["megatron_inmem_load_s"] / out["megatron_stock_load_s"]
