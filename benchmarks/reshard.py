@@ -186,6 +186,7 @@ def megatron_worker(out: str, argv: list[str]) -> None:
     example.run(cfg)
     if handle is not None:
         result["tier"] = handle.restored.tier if handle.restored else None
+        result["phases"] = (handle.restored.phases or {}) if handle.restored else {}
         handle.close()
     with open(f"{out}.rank{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
@@ -251,11 +252,14 @@ def megatron_row(tmp: str, quick: bool, steps: int) -> dict:
                     per_rank.append(json.load(f))
             # the first call of each (the stock old layout saves again at its last iteration)
             return {**{name: max(r[name][0] for r in per_rank) for name in ("load_s", "save_s")
-                       if name in per_rank[0]}, "tier": per_rank[0].get("tier")}
+                       if name in per_rank[0]}, "tier": per_rank[0].get("tier"),
+                    "phases": {k: max(r.get("phases", {}).get(k, 0.0) for r in per_rank)
+                               for k in per_rank[0].get("phases", {})}}
 
         launch("m_inmem_source", "Megatron TP2xPP2: train, inmem_ft snapshot", old + ours)
         got = launch("m_inmem_load", "Megatron TP1xDP4: inmem_ft reshard from memory", new + ours)
-        out.update(megatron_inmem_load_s=got["load_s"], megatron_inmem_tier=got["tier"])
+        out.update(megatron_inmem_load_s=got["load_s"], megatron_inmem_tier=got["tier"],
+                   megatron_inmem_phases=got["phases"])
         out["megatron_stock_save_s"] = launch("m_stock_source", "Megatron TP2xPP2: train, torch_dist save",
                                               old + stock_save)["save_s"]
         out["megatron_stock_load_s"] = launch("m_stock_load", "Megatron TP1xDP4: torch_dist load (resharded)",
@@ -271,6 +275,8 @@ def print_megatron(m: dict) -> None:
     print(f"Megatron GPT {m['layers']}x{m['hidden']}, {m['from']} -> {m['to']} (4 ranks, gloo, CPU)")
     print(f"  inmem_ft reshard from memory (load_checkpoint)  {m['megatron_inmem_load_s']:.3f} s  "
           f"[{m['megatron_inmem_tier']}]")
+    print("    of which (slowest rank): " + ", ".join(f"{k} {v:.3f} s" for k, v in m["megatron_inmem_phases"].items())
+          + "; the rest is Megatron's own load_checkpoint work and agreeing on the step")
     print(f"  stock torch_dist save (old layout)              {m['megatron_stock_save_s']:.3f} s")
     print(f"  stock torch_dist load (new layout, resharded)   {m['megatron_stock_load_s']:.3f} s")
     print(f"  ratio ours / (stock save + load)                {m['megatron_ratio']:.3f}   "
@@ -371,7 +377,9 @@ def main() -> int:
 
     hidden = args.hidden or (1024 if args.quick else 2048)
     layers = args.layers or (4 if args.quick else 6)
-    results = {"quick": args.quick, "hidden": hidden, "layers": layers, "targets": {}}
+    results = {"quick": args.quick, "targets": {}}
+    if args.only != "megatron":  # the DeepSpeed rows' model (the Megatron row records its own)
+        results.update(hidden=hidden, layers=layers)
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         disk_dir = args.disk_dir or os.path.join(tmp, "disk")

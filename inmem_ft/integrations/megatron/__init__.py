@@ -30,6 +30,8 @@ class Restored:
     step: int
     tier: str  # "memory" | "peer reconstruction" | "memory resharded"
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
+    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout, to
+    # open its catalog and to read this rank's share
 
 
 class Handle:
@@ -39,6 +41,7 @@ class Handle:
         self.args, self.block = args, block
         self.snap = self.manager = self.layout = None
         self.restored: Restored | None = None
+        self._setup_s: dict = {}  # seconds of the load's phases, for a reshard's log line
 
     def _before_load(self, checkpointing_context: dict, model, optimizer) -> None:
         from ...capture import Snapshotter
@@ -46,8 +49,11 @@ class Handle:
         from .layout import MegatronLayout
         from .manager import NONE, InmemCheckpointManager
 
+        t0 = time.perf_counter()
         self.snap = Snapshotter(self.block.snapshot_config())
+        t1 = time.perf_counter()
         self.layout = MegatronLayout(self.args, model, optimizer)
+        self._setup_s = {"snapshotter": round(t1 - t0, 4), "layout": round(time.perf_counter() - t1, 4)}
         self.manager = InmemCheckpointManager(
             self.snap, self.args.non_persistent_local_ckpt_dir, self.layout.topology,
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
@@ -62,6 +68,7 @@ class Handle:
         from .reshard import ReshardedLoad
 
         config = self.snap.config
+        self._setup_s["restore_attempt"] = round(time.perf_counter() - self.manager.restore_t0, 4)
         rs = open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
         return ReshardedLoad(rs, self.layout, self.snap.agree_min)
 
@@ -79,10 +86,11 @@ class Handle:
             # The SMPs keep the old layout's step until this layout completes a newer one.
             self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None,
                                           dict(rs.seconds)))
-            self.restored = Restored(rs.step, MEMORY_RESHARDED, seconds)
+            self.restored = Restored(rs.step, MEMORY_RESHARDED, seconds, {**self._setup_s, **rs.seconds})
             log.info("restore rank=%d step=%d source=%s from=%s to=%s seconds=%.3f %s", self.snap.rank, rs.step,
                      MEMORY_RESHARDED.replace(" ", "_"), info["from"], info["to"], seconds,
-                     " ".join(f"{k}={v}" for k, v in info.items() if k.startswith("bytes")))
+                     " ".join([f"{k}_s={v:.3f}" for k, v in rs.seconds.items()] +
+                              [f"{k}={v}" for k, v in info.items() if k.startswith("bytes")]))
         elif served:
             info = self.snap.last_restore
             self.restored = Restored(info.step, info.source, time.perf_counter() - self.manager.restore_t0)

@@ -24,6 +24,7 @@ to_state_dict(template) answers every shard id of the new rank's template:
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -50,10 +51,12 @@ class ReshardedLoad:
 
         tree, error = {"common": self.common, "tensors": [], "objects": []}, None
         if sharded_state_dict:  # the first, common-only pass of load_checkpoint asks for nothing else
+            t0 = time.perf_counter()
             try:
                 tree = self._fill(sharded_state_dict)
             except Exception as e:  # every rank must hear of it before Megatron's collectives
                 error = e
+            self.rs.seconds["read_set"] = round(time.perf_counter() - t0, 4)
             if not self.agree_min(int(error is None)):
                 raise error or InmemFTError(f"another rank failed to read its share of step {self.rs.step} of the "
                                             f"old layout ({self.rs.old.layout()}); its log says why")
