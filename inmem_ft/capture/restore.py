@@ -171,8 +171,9 @@ class Restorer:
             old += f" ({Topology.from_json(self._foreign.manifest['topology']).layout()})"
         new = f"world size {self.snap.world_size}" + (f" ({self.layout.layout()})" if self.layout else "")
         return (f"the newest snapshots in memory (step {step}, found by rank {rank}) were taken with {old}, this job "
-                f"runs with {new}: restart with the original layout, or let inmem_ft reshard them (DeepSpeed: "
-                f"\"reshard\": \"auto\" in the inmem_ft block). Nothing was discarded.")
+                f"runs with {new}: restart with the original layout, or let inmem_ft reshard them (\"reshard\": "
+                f"\"auto\" in the inmem_ft block: DeepSpeed's config, Megatron's --inmem-ft-config). Nothing was "
+                f"discarded.")
 
     def _nothing(self, rows: list[list[int]]):
         """No step is usable on every rank. Starting over is right only if no step was ever complete."""

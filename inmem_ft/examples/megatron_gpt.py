@@ -9,7 +9,10 @@ launch/torchrun_inmem.sh, `inmem-ft launch`) and an SMP per node, e.g.
         --tensor-model-parallel-size 2 --train-iters 12 --inmem-ft --inmem-ft-interval 3
 
 Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
-(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank.
+(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank, and
+--dump-state PATH --dump-at N (what the resharding tests compare: at iteration N, right after a load of it or
+right after training it, every rank writes PATH.rank<r>.pt: its parameter and optimizer pieces in model
+space, with their boxes, and the counters).
 """
 from __future__ import annotations
 
@@ -35,12 +38,13 @@ DEFAULTS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 CPU_DEFAULTS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
                 "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
-EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int}
+EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--dump-state": str, "--dump-at": int}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict]:
     """The example's own flags out of the command line; Megatron's parser gets the rest (after the defaults)."""
-    own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0}, [], 0
+    own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0,
+                    "dump_state": None, "dump_at": None}, [], 0
     while i < len(argv):
         if argv[i] in EXAMPLE_FLAGS:
             own[argv[i][2:].replace("-", "_")] = EXAMPLE_FLAGS[argv[i]](argv[i + 1])
@@ -138,6 +142,61 @@ def log_metrics(own: dict, handle) -> None:
     training.training_log = training_log
 
 
+def dump_state(path: str, model, optimizer, scheduler, iteration: int) -> None:
+    """This rank's model-space pieces (parameters by their ShardedTensor box; the distributed optimizer's
+    fp32 masters and moments by box and flat range) and counters, for a test to assemble global tensors."""
+    from megatron.training import get_args
+
+    from inmem_ft.integrations.megatron.layout import dp_slices, model_shards
+
+    args, pieces = get_args(), []
+    shards = model_shards(model)
+    for sh in shards.values():
+        pieces.append({"key": sh.key, "shape": list(sh.global_shape), "offset": list(sh.global_offset),
+                       "box": [1] * sh.prepend_axis_num + list(sh.local_shape), "data": sh.data.detach().clone()})
+    for opt, _, _, param, span in dp_slices(optimizer):
+        sh = shards[id(param)]
+        for kind, value in opt._get_main_param_and_optimizer_states(param).items():
+            if kind == "step":  # a scalar, in the counters
+                continue
+            pieces.append({"key": f"optimizer.state.{'fp32_param' if kind == 'param' else kind}.{sh.key}",
+                           "shape": list(sh.global_shape), "offset": list(sh.global_offset),
+                           "box": [1] * sh.prepend_axis_num + list(sh.local_shape), "flat": [span.start, span.end],
+                           "data": value.detach().clone()})
+    counters = {"iteration": iteration, "consumed_train_samples": int(args.consumed_train_samples),
+                "scheduler": {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float))},
+                "steps": sorted({float(g["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                                 for g in o.optimizer.param_groups if "step" in g} |
+                                {float(s["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                                 for s in o.optimizer.state.values() if "step" in s})}
+    torch.save({"pieces": pieces, "counters": counters}, f"{path}.rank{torch.distributed.get_rank()}.pt")
+
+
+def dump_hooks(own: dict) -> None:
+    """--dump-state: at iteration --dump-at, right after loading it (before train()) or after training it."""
+    if own["dump_state"] is None:
+        return
+    from megatron.training import get_args, training
+
+    live, train, log = {}, training.train, training.training_log
+
+    def dump(iteration):
+        if iteration == own["dump_at"]:
+            dump_state(own["dump_state"], live["model"], live["optimizer"], live["scheduler"], iteration)
+
+    def train_then(forward_step_func, model, optimizer, opt_param_scheduler, *args, **kwargs):
+        live.update(model=model, optimizer=optimizer, scheduler=opt_param_scheduler)
+        dump(get_args().iteration)
+        return train(forward_step_func, model, optimizer, opt_param_scheduler, *args, **kwargs)
+
+    def training_log(*args, **kwargs):
+        out = log(*args, **kwargs)
+        dump(args[3])  # the iteration just trained
+        return out
+
+    training.train, training.training_log = train_then, training_log
+
+
 def install_cpu_shim() -> None:
     """Without CUDA: the test-only shim that lets Megatron run on the CPU (before megatron is imported)."""
     if CPU:
@@ -177,6 +236,7 @@ def run(cfg) -> None:
 def main() -> None:
     args, cfg, handle, own = prepare(sys.argv[1:])
     log_metrics(own, handle)
+    dump_hooks(own)
     run(cfg)
     if handle is not None:
         handle.close()

@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from .args import add_args, block_from_args
 
 log = logging.getLogger("inmem_ft.megatron")
+MEMORY_RESHARDED = "memory resharded"
 
 
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction"
+    tier: str  # "memory" | "peer reconstruction" | "memory resharded"
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
+    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout, to
+    # open its catalog and to read this rank's share
 
 
 class Handle:
@@ -38,30 +41,57 @@ class Handle:
         self.args, self.block = args, block
         self.snap = self.manager = self.layout = None
         self.restored: Restored | None = None
+        self._setup_s: dict = {}  # seconds of the load's phases, for a reshard's log line
 
-    def _before_load(self, checkpointing_context: dict, optimizer) -> None:
+    def _before_load(self, checkpointing_context: dict, model, optimizer) -> None:
         from ...capture import Snapshotter
         from . import patch
+        from .layout import MegatronLayout
         from .manager import NONE, InmemCheckpointManager
 
+        t0 = time.perf_counter()
         self.snap = Snapshotter(self.block.snapshot_config())
+        t1 = time.perf_counter()
+        self.layout = MegatronLayout(self.args, model, optimizer)
+        self._setup_s = {"snapshotter": round(t1 - t0, 4), "layout": round(time.perf_counter() - t1, 4)}
         self.manager = InmemCheckpointManager(
-            self.snap, self.args.non_persistent_local_ckpt_dir, lambda it: self.layout.topology(it),
+            self.snap, self.args.non_persistent_local_ckpt_dir, self.layout.topology,
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
-            extra_specs=self._extra_specs)
+            extra_specs=self._extra_specs, reshard=self._reshard if self.block.reshard == "auto" else None)
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
 
+    def _reshard(self):
+        """The newest snapshots are of another layout (`reshard: auto`): open them for this rank (collective)."""
+        from ...universal.reshard import open_memory
+        from .reshard import ReshardedLoad
+
+        config = self.snap.config
+        self._setup_s["restore_attempt"] = round(time.perf_counter() - self.manager.restore_t0, 4)
+        rs = open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
+        return ReshardedLoad(rs, self.layout, self.snap.agree_min)
+
     def _after_load(self, model, optimizer, iteration: int) -> None:
+        from ...capture.restore import RestoreInfo
         from . import patch
-        from .layout import MegatronLayout
 
         patch.restore_adam_steps(optimizer)
         patch.fence_before_step(optimizer, self.snap.fence)
-        self.layout = MegatronLayout(self.args, model, optimizer)
+        resharded = self.manager.resharded
         served = self.manager.release()
-        if served:
+        if served and resharded is not None:
+            rs, seconds = resharded.rs, time.perf_counter() - self.manager.restore_t0
+            info = rs.describe()
+            # The SMPs keep the old layout's step until this layout completes a newer one.
+            self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None,
+                                          dict(rs.seconds)))
+            self.restored = Restored(rs.step, MEMORY_RESHARDED, seconds, {**self._setup_s, **rs.seconds})
+            log.info("restore rank=%d step=%d source=%s from=%s to=%s seconds=%.3f %s", self.snap.rank, rs.step,
+                     MEMORY_RESHARDED.replace(" ", "_"), info["from"], info["to"], seconds,
+                     " ".join([f"{k}_s={v:.3f}" for k, v in rs.seconds.items()] +
+                              [f"{k}={v}" for k, v in info.items() if k.startswith("bytes")]))
+        elif served:
             info = self.snap.last_restore
             self.restored = Restored(info.step, info.source, time.perf_counter() - self.manager.restore_t0)
             log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.snap.rank, info.step,

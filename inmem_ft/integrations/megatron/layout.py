@@ -37,6 +37,24 @@ def _model_param_groups(opt) -> list[list]:
     return [group["params"] for group in opt.optimizer.param_groups]
 
 
+def dp_slices(optimizer):
+    """(optimizer, bucket key, element offset in the bucket, model parameter, range of its flattened elements)
+    of every parameter slice this rank's distributed optimizer holds, keyed and placed as
+    DistributedOptimizer.sharded_param_state_dp_reshardable does (0.19.2); nothing for other optimizers."""
+    for opt in _optimizers(optimizer):
+        if not hasattr(opt, "gbuf_ranges"):
+            continue
+        dp_rank, dp_size = opt.data_parallel_group.rank(), opt.data_parallel_group.size()
+        for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+            for dtype, buckets in gbuf_range_maps.items():
+                for bucket_idx, range_map in enumerate(buckets):
+                    local_numel = opt.buffers[gbuf_idx].buckets[bucket_idx].grad_data.numel() // dp_size
+                    key = (f"optimizer.distributed.dp_group_idx_{opt.data_parallel_group_idx}.gbuf_idx_{gbuf_idx}"
+                           f".dtype_{dtype}.bucket_idx_{bucket_idx}")
+                    for param, ranges in range_map["param_map"].items():
+                        yield opt, key, dp_rank * local_numel + ranges["gbuf_local"].start, param, ranges["param"]
+
+
 class MegatronLayout:
     def __init__(self, args, model, optimizer):
         from megatron.core import parallel_state as mpu
@@ -69,22 +87,9 @@ class MegatronLayout:
     # ---- distributed optimizer: bucket space -> model space ------------------------------------------------
     def _bucket_params(self, shards) -> dict[tuple[str, int], tuple[object, int, int]]:
         """(bucket key, element offset in the bucket) -> (model ShardedTensor, lo, hi): the slice [lo, hi) of
-        the parameter's flattened box that this rank's optimizer holds there. Keys and offsets are built as
-        DistributedOptimizer.sharded_param_state_dp_reshardable builds them (0.19.2)."""
-        out = {}
-        for opt in _optimizers(self.optimizer):
-            dp_rank, dp_size = opt.data_parallel_group.rank(), opt.data_parallel_group.size()
-            for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
-                for dtype, buckets in gbuf_range_maps.items():
-                    for bucket_idx, range_map in enumerate(buckets):
-                        local_numel = opt.buffers[gbuf_idx].buckets[bucket_idx].grad_data.numel() // dp_size
-                        key = (f"optimizer.distributed.dp_group_idx_{opt.data_parallel_group_idx}.gbuf_idx_{gbuf_idx}"
-                               f".dtype_{dtype}.bucket_idx_{bucket_idx}")
-                        for param, ranges in range_map["param_map"].items():
-                            if id(param) in shards:
-                                offset = dp_rank * local_numel + ranges["gbuf_local"].start
-                                out[(key, offset)] = (shards[id(param)], ranges["param"].start, ranges["param"].end)
-        return out
+        the parameter's flattened box that this rank's optimizer holds there."""
+        return {(key, offset): (shards[id(param)], span.start, span.end)
+                for _, key, offset, param, span in dp_slices(self.optimizer) if id(param) in shards}
 
     def model_space_specs(self, sh) -> tuple[ShardSpec, ...]:
         """For a bucket slice `<bucket key>.{param,exp_avg,exp_avg_sq}`: the same elements as

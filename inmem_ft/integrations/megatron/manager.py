@@ -9,13 +9,16 @@ only translates (megatron.training.checkpointing, 0.19.2, MEGATRON.md section 1)
   shard but one, so a replicated shard is stored once across data-parallel ranks.
 - find_latest() and load(), each called twice per load_checkpoint (a common-only pass, then the real one):
   the first find_latest restores the snapshot (collective), load() rebuilds a flat TASD from it; Megatron's
-  to_state_dict() then matches shards by id and broadcasts the data-parallel-deduplicated ones back.
+  to_state_dict() then matches shards by id and broadcasts the data-parallel-deduplicated ones back. When
+  the newest snapshots are of another layout, `reshard()` opens them and load() hands back its ReshardedLoad
+  (reshard.py), which fills the new layout's shards from them.
 """
 from __future__ import annotations
 
 import time
 
 from ...capture import Snapshotter
+from ...errors import LayoutChanged
 from ...snapshot import ShardSpec, Sharded
 
 NONE = -1
@@ -96,11 +99,15 @@ class InmemCheckpointManager:
     """find_latest / save / load, as Megatron calls nvidia-resiliency-ext's LocalCheckpointManager."""
 
     def __init__(self, snap: Snapshotter, local_ckpt_dir: str, topology, *, deduplicated: bool,
-                 extra_specs=lambda sh: ()):
-        """topology(iteration) -> the Topology record of a snapshot; extra_specs: see to_tree."""
+                 extra_specs=lambda sh: (), reshard=None):
+        """topology(iteration) -> the Topology record of a snapshot (also this job's layout, which restore
+        compares); extra_specs: see to_tree; reshard() -> a ReshardedLoad of the newest snapshots of another
+        layout (collective), or None to keep the LayoutChanged error."""
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
+        self._reshard = reshard
         self._restored: dict | None = None
+        self.resharded = None  # the ReshardedLoad, when the snapshot was of another layout
         self._looked = self._served = False
         self.restore_t0: float | None = None
 
@@ -124,10 +131,21 @@ class InmemCheckpointManager:
         if not self._looked:
             self._looked = True
             self.restore_t0 = time.perf_counter()
-            self._restored = self.snap.restore()
+            try:
+                self._restored = self.snap.restore(layout=self._topology(0))
+            except LayoutChanged:
+                if self._reshard is None:
+                    raise
+                self.resharded = self._reshard()
+        if self.resharded is not None:
+            return self.resharded.rs.step
         return self.snap.last_restore.step if self._restored is not None else NONE
 
     def load(self):
+        if self.resharded is not None:
+            self._served = True
+            rs = self.resharded.rs
+            return self.resharded, f"inmem_ft snapshot of iteration {rs.step} on {rs.old.layout()}, resharded"
         if self._restored is None:
             raise RuntimeError("inmem_ft: Megatron asked to load a snapshot, but find_latest() found none")
         self._served = True
@@ -137,4 +155,6 @@ class InmemCheckpointManager:
         """After Megatron's load: drop the restored copy. True if Megatron loaded it (it takes a newer
         persistent checkpoint under --load instead, if there is one)."""
         self._restored = None
+        if self.resharded is not None:
+            self.resharded.rs.close()
         return self._served
