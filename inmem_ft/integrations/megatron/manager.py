@@ -37,25 +37,40 @@ def shard_spec(sh, *, deduplicated: bool) -> ShardSpec:
                      axis_fragmentations=tuple(sh.axis_fragmentations) if sh.axis_fragmentations else None)
 
 
-def to_tree(tasd, *, deduplicated: bool, extra_specs=lambda sh: ()) -> dict:
+def _described(sh, deduplicated: bool, extra_specs) -> tuple[dict, tuple[ShardSpec, ...]]:
+    """A ShardedTensor's entry in the tree but for its data, and its shard specs."""
+    specs = (shard_spec(sh, deduplicated=deduplicated), *extra_specs(sh))
+    # The shard id Megatron matches on load, plainly (restore gives back bare tensors, not specs)
+    return {"key": sh.key, "local_shape": tuple(sh.local_shape), "global_shape": tuple(sh.global_shape),
+            "global_offset": tuple(sh.global_offset), "axis_fragmentations": sh.axis_fragmentations,
+            "replica_id": sh.replica_id, "prepend_axis_num": sh.prepend_axis_num,
+            "allow_shape_mismatch": sh.allow_shape_mismatch}, specs
+
+
+def to_tree(tasd, *, deduplicated: bool, extra_specs=lambda sh: (), described: dict | None = None) -> dict:
     """TASD -> a plain tree of specs and values. `extra_specs(sh)`: more specs for the same elements (the
-    model-space place of distributed-optimizer bucket slices)."""
+    model-space place of distributed-optimizer bucket slices). `described`: entries and specs of an earlier
+    call by everything that describes a shard (Megatron builds new ShardedTensors every save, for the same
+    shards), reused and updated to this call's: building specs is most of this function's cost."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    tensors, objects = [], []
+    tensors, objects, earlier = [], [], dict(described or {})
+    if described is not None:
+        described.clear()  # what this call meets, so that shards that left the state do not stay
     for sh in nested_values(tasd.sharded_state_dict):
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 continue  # another data-parallel rank stores this shard
             if sh.flattened_range is not None:  # rejected by Megatron 0.19.2 itself; never produced
                 raise ValueError(f"{sh.key}: flattened_range shards are not supported")
-            specs = (shard_spec(sh, deduplicated=deduplicated), *extra_specs(sh))
-            # The shard id Megatron matches on load, plainly (restore gives back bare tensors, not specs)
-            tensors.append({"key": sh.key, "local_shape": tuple(sh.local_shape), "global_shape": tuple(sh.global_shape),
-                            "global_offset": tuple(sh.global_offset), "axis_fragmentations": sh.axis_fragmentations,
-                            "replica_id": sh.replica_id, "prepend_axis_num": sh.prepend_axis_num,
-                            "allow_shape_mismatch": sh.allow_shape_mismatch, "data": Sharded(sh.data, specs)})
+            ident = (sh.key, tuple(sh.local_shape), tuple(sh.global_shape), tuple(sh.global_offset),
+                     sh.axis_fragmentations and tuple(sh.axis_fragmentations), replica_tuple(sh.replica_id),
+                     type(sh.replica_id), sh.prepend_axis_num, sh.allow_shape_mismatch)
+            entry, specs = earlier.get(ident) or _described(sh, deduplicated, extra_specs)
+            if described is not None:
+                described[ident] = entry, specs
+            tensors.append({**entry, "data": Sharded(sh.data, specs)})
         elif isinstance(sh, ShardedObject):
             objects.append({"key": sh.key, "global_shape": tuple(sh.global_shape),
                             "global_offset": tuple(sh.global_offset), "replica_id": sh.replica_id, "data": sh.data})
@@ -101,12 +116,14 @@ class InmemCheckpointManager:
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
         self._restored: dict | None = None
+        self._described: dict = {}  # to_tree's, kept across saves
         self._looked = self._served = False
         self.restore_t0: float | None = None
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, tasd, iteration: int, is_async: bool = False):
-        tree = to_tree(tasd, deduplicated=self._deduplicated, extra_specs=self._extra_specs)
+        tree = to_tree(tasd, deduplicated=self._deduplicated, extra_specs=self._extra_specs,
+                       described=self._described)
         # overlap: the copy runs behind the next forward/backward; the optimizer step fences (see patch.py).
         self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(iteration))
         if not is_async:
