@@ -51,7 +51,7 @@ def _description(sh) -> dict:
     replica = replica_tuple(sh.replica_id)
     return {"key": sh.key, "local_shape": [int(d) for d in sh.local_shape],
             "global_shape": [int(d) for d in sh.global_shape], "global_offset": [int(d) for d in sh.global_offset],
-            "axis_fragmentations": [int(a) for a in sh.axis_fragmentations] if sh.axis_fragmentations else None,
+            "axis_fragmentations": None if sh.axis_fragmentations is None else [int(a) for a in sh.axis_fragmentations],
             "replica_id": replica[0] if isinstance(sh.replica_id, int) else list(replica),
             "prepend_axis_num": int(sh.prepend_axis_num), "allow_shape_mismatch": bool(sh.allow_shape_mismatch)}
 
