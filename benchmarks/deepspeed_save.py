@@ -325,6 +325,8 @@ def measure_inmem(args, adapter) -> dict:
     out = {}
     set_interval_ok = True
     engine = build_engine(args, interval=10**9)
+    out["params"] = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    out["ranks"] = dist.get_world_size()  # as phase_save says, for a run without it (--phases inmem)
     x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
     handle = adapter.install(engine)
     assert handle is not None, "install() returned None (inmem_ft block absent or disabled)"
@@ -706,6 +708,9 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=6, help="6 x (2048x4096 + 4096x2048) = 100.7M parameters")
     p.add_argument("--disk-dir", default=None, help="where the disk engines write (default: a temp dir)")
     p.add_argument("--inmem-path", default=None, help="prepend this to the workers' PYTHONPATH (an adapter checkout)")
+    p.add_argument("--phases", default="save,inmem,load",
+                   help="which of save,inmem,load to run (inmem alone: our blocking time and step overhead; with "
+                        "--inmem-path, another checkout's, side by side)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for a in ("--phase", "--result", "--tag"):
         p.add_argument(a, default=None, help=argparse.SUPPRESS)
@@ -739,7 +744,7 @@ def main() -> int:
             res = {}
             with SimulatedCluster(1, 2, f"dsbench{stage}-{os.getpid()}", 8 << 30, os.path.join(tmp, f"logs{stage}"),
                                   env=env) as cluster:
-                for phase in ("save", "inmem", "load"):
+                for phase in [p for p in ("save", "inmem", "load") if p in args.phases.split(",")]:
                     result = os.path.join(tmp, f"{phase}{stage}.json")
                     argv = worker_argv(args, phase, result, stage, disk_dir, counts) + [
                         "--tag", res.get("torch_engine_tag", "")]
@@ -755,8 +760,8 @@ def main() -> int:
                     res.update(got)
                     res["skipped"] = skipped
             # After the SMPs are gone: DLRover runs alone, under its own launcher.
-            if dlrover_missing:
-                res["skipped"]["dlrover"] = dlrover_missing
+            if dlrover_missing or "save" not in args.phases.split(","):
+                res["skipped"]["dlrover"] = dlrover_missing or "--phases leaves out save"
             else:
                 result = os.path.join(tmp, f"dlrover{stage}.{{restart}}.json")
                 with report.phase(f"ZeRO-{stage} {PHASES['dlrover']}"):
@@ -772,16 +777,14 @@ def main() -> int:
                 extra = (res["step_overhead_interval1"] - 1.0)
                 res["step_overhead_interval10"] = 1.0 + extra / 10
                 res["step_overhead_interval10_estimated"] = True
-            res["ratio_vs_torch_engine"] = (res["inmem_blocking_s"] / res["torch_engine_s"]
-                                            if res.get("inmem_blocking_s") is not None else None)
-            res["restore_vs_disk_load"] = (res["restore_s"] / res["disk_load_s"]
-                                           if res.get("restore_s") is not None else None)
-            for key, ours, theirs in (("ratio_vs_dlrover_memory", "inmem_blocking_s", "dlrover_memory_save_s"),
+            for key, ours, theirs in (("ratio_vs_torch_engine", "inmem_blocking_s", "torch_engine_s"),
+                                      ("restore_vs_disk_load", "restore_s", "disk_load_s"),
+                                      ("ratio_vs_dlrover_memory", "inmem_blocking_s", "dlrover_memory_save_s"),
                                       ("restore_vs_dlrover", "restore_s", "dlrover_restore_s"),
                                       ("restore_vs_dlrover_load", "restore_s", "dlrover_restore_load_s")):
                 res[key] = (res[ours] / res[theirs]
                             if res.get(ours) is not None and res.get(theirs) is not None else None)
-            results["params"], results["ranks"] = res.pop("params"), res.pop("ranks")
+            results["params"], results["ranks"] = res.pop("params", 0), res.pop("ranks", 0)  # 0: no phase said
             results["stages"][str(stage)] = res
     results["wall_s"] = time.monotonic() - t_start
     print_table(results)

@@ -182,3 +182,48 @@ def test_config_block_with_the_command_line_over_it(tmp_path):
     path.write_text(json.dumps({"inmem_ft": {"interval": 5, "memory_budget": "1GiB"}}))
     args = add_args(argparse.ArgumentParser()).parse_args(["--inmem-ft-config", str(path), "--inmem-ft-interval", "7"])
     assert block_from_args(args).interval == 7 and block_from_args(args).memory_budget == 1 << 30
+
+
+TRANSLATION = r"""
+import megatron_cpu_shim
+megatron_cpu_shim.install()
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from inmem_ft.integrations.megatron.manager import Described, from_tree, to_tree
+from inmem_ft.snapshot.tree import flatten, unflatten
+
+def tasd(rows):
+    w = ShardedTensor.from_rank_offsets("decoder.w", torch.arange(rows * 3.0).view(rows, 3), (0, 1, 2),
+                                        replica_id=(0, 1, 0))
+    b = ShardedTensor.from_rank_offsets("decoder.b", torch.ones(4), replica_id=0)
+    rng = ShardedObject("rng_state", {"seed": torch.tensor([7])}, (1,), (0,), replica_id=0)
+    return type("T", (), {"common": {"iteration": 3}, "sharded_state_dict": {"m": {"w": w, "b": b}, "rng": rng}})()
+
+described = Described()
+first = to_tree(tasd(2), deduplicated=False, described=described)
+again = to_tree(tasd(2), deduplicated=False, described=described)
+assert again["tensors"]["described"] is first["tensors"]["described"]
+assert [d.specs for d in again["tensors"]["data"]] == [d.specs for d in first["tensors"]["data"]]
+assert all(a.specs[0] is b.specs[0] for a, b in zip(again["tensors"]["data"], first["tensors"]["data"]))
+changed = to_tree(tasd(3), deduplicated=False, described=described)  # a new shape: described afresh
+assert changed["tensors"]["data"][0].specs[0].global_shape == (6, 3)
+flat = flatten(changed)
+back = from_tree(unflatten(flat.tree, flat.values))
+shards = {sh.key: sh for sh in back.sharded_state_dict.values()}
+w = shards["decoder.w"]
+assert (w.global_shape, w.global_offset, w.local_shape, w.replica_id) == ((6, 3), (3, 0), (3, 3), (0, 1, 0)), w
+assert torch.equal(w.data, torch.arange(9.0).view(3, 3)) and shards["decoder.b"].replica_id == 0
+assert torch.equal(shards["rng_state"].data["seed"], torch.tensor([7])) and back.common == {"iteration": 3}
+print("ok")
+"""
+
+
+def test_translation_is_reused_while_the_shards_stay_the_same_and_round_trips(tmp_path):
+    """to_tree reuses its specs and the tensors' JSON text across saves of the same shards, describes a changed
+    shard afresh, and from_tree gives back the shard ids Megatron matches on load (real ShardedTensors)."""
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", TRANSLATION], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -42,15 +42,16 @@ class Copier:
         self._staging: torch.Tensor | None = None
         self._stream = None
 
-    def copy(self, values: list, plan: Plan, data: torch.Tensor, defer: bool = False) -> Work:
-        """Copy the leaves `values` as `plan` lays them out, or with `defer` only start copying: the caller must
-        fence() before the state changes."""
+    def copy(self, values: list, plan: Plan, data: torch.Tensor | None, defer: bool = False) -> Work:
+        """Copy the leaves `values` as `plan` lays them out into `data` (the slot's data bytes), or with `defer`
+        only start copying (`data` may then still be unknown: None): the caller must fence() before the state
+        changes."""
         work = Work(values, batches=plan.batches)
         device_copies = []
         for c in plan.copies:
             (device_copies if _on_device(values[c.leaf]) else work.host).append(c)
         if device_copies:
-            self._stage(device_copies, values, data.numel(), work)
+            self._stage(device_copies, values, plan.data_len, work)
         if not defer:
             self.copy_host(work, data)
             self.fence(work)

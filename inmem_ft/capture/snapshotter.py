@@ -57,8 +57,8 @@ class _Written:
     reused: bool  # the plan was made for an earlier snapshot: confirm it before committing
     topology: Topology | None
     manifest_len: int  # room reserved for the manifest
-    target: _Attached
-    reply: dict
+    target: _Attached | None  # None: the commit thread asks the SMP for the slot (an overlapped snapshot)
+    reply: dict | None
     work: object
 
     @property
@@ -164,9 +164,6 @@ class Snapshotter:
             error, target = e, None
             # The first snapshot reserves the slots: a budget that cannot fit is a setup error.
             fatal = isinstance(e, BudgetExceeded) and not self._reserved
-        if isinstance(error, _Skipped):
-            self.metrics.skipped += 1
-            log.warning("snapshot rank=%d step=%d event=skipped reason=%s", self.rank, step, error)
         stall = time.perf_counter() - t0
         m = self.metrics
         m.last_stall_s, m.last_bytes = stall, plan.data_len if plan else 0
@@ -179,7 +176,7 @@ class Snapshotter:
         if self._fence_work is None:
             self._copied.set()
         written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work) \
-            if target else None
+            if error is None else None
         # Submitted even after an error: every rank must take part in the step's agreement.
         self._pending = self._pool.submit(self._finish, step, written, error)
         if fatal:
@@ -188,16 +185,26 @@ class Snapshotter:
             raise error
 
     def _begin_and_copy(self, step: int, flat, plan, overlap: bool):
-        reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=self._plans.manifest_len,
-                               data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
-                               local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
-        if "skipped" in reply:
-            raise _Skipped(reply["skipped"])
-        target = self._attach(reply["segment"], reply["inode"])
+        if overlap and self._reserved:
+            # The host copy runs on the commit thread, and the device copy stages outside the slot: the SMP's
+            # answer to which slot (a round trip to a process that competes for the same cores) is the commit
+            # thread's to wait for. The first snapshot still asks here, so that a budget that cannot fit fails
+            # the save() call.
+            return None, None, self._copier.copy(flat.values, plan, None, defer=True)
+        reply, target = self._begin(step, plan, self._plans.manifest_len)
         if not overlap:
             target.for_writing()  # else the commit thread prefaults, off the training path
         data = target.bytes[reply["data_off"]: reply["data_off"] + plan.data_len]
         return reply, target, self._copier.copy(flat.values, plan, data, defer=overlap)
+
+    def _begin(self, step: int, plan, manifest_len: int) -> tuple[dict, "_Attached"]:
+        """The SMP's slot for this snapshot, mapped; _Skipped if it declines."""
+        reply = self._smp.call("begin", rank=self.rank, step=step, manifest_len=manifest_len,
+                               data_len=plan.data_len, keep_step=self._complete, reserve=not self._reserved,
+                               local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+        if "skipped" in reply:
+            raise _Skipped(reply["skipped"])
+        return reply, self._attach(reply["segment"], reply["inode"])
 
     def fence(self) -> None:
         """Before the snapshotted state changes: wait for an overlapped snapshot's copy. Cheap otherwise."""
@@ -220,8 +227,10 @@ class Snapshotter:
         t0 = time.perf_counter()
         if error is None:
             try:
-                data = w.target.bytes[w.data_off: w.data_off + w.plan.data_len]
                 try:
+                    if w.target is None:
+                        w.reply, w.target = self._begin(step, w.plan, w.manifest_len)
+                    data = w.target.bytes[w.data_off: w.data_off + w.plan.data_len]
                     w.target.for_writing()
                     self._copier.copy_host(w.work, data)
                 except (RuntimeError, ValueError) as e:
@@ -256,8 +265,10 @@ class Snapshotter:
             except InmemFTError as e:
                 error = e
         self.metrics.last_commit_s = time.perf_counter() - t0
-        if isinstance(error, _Skipped):
-            return  # said in save(); the agreement above kept the step from counting as complete anywhere
+        if isinstance(error, _Skipped):  # the agreement above kept the step from counting as complete anywhere
+            self.metrics.skipped += 1
+            log.warning("snapshot rank=%d step=%d event=skipped reason=%s", self.rank, step, error)
+            return
         if isinstance(error, StalePlan):
             self.metrics.stale += 1
             log.warning("snapshot rank=%d step=%d event=stale reason=%s", self.rank, step, error)

@@ -17,7 +17,7 @@ class SMPClient:
     def __init__(self, socket_path: str, timeout_s: float = 60.0):
         self.socket_path, self.timeout_s = socket_path, timeout_s
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()  # the trainer thread begins, the commit thread commits
+        self._lock = threading.Lock()  # the training thread calls (a first begin, restore) beside the commit thread
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -144,6 +144,8 @@ def install(args) -> Handle | None:
     args.load = args.load or scratch
     os.makedirs(scratch, exist_ok=True)
     patch.allow_local_tasd()
+    if args.ckpt_assume_constant_structure:
+        patch.validate_structure_once()
     patch.register_safe_classes(args)
     handle = Handle(args, block)
     patch.around_load(handle._before_load, handle._after_load)

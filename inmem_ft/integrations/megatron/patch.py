@@ -53,6 +53,26 @@ def allow_local_tasd() -> None:
     tensor_aware_state_dict.HAVE_NVRX = True
 
 
+def validate_structure_once() -> None:
+    """Under --ckpt-assume-constant-structure Megatron validates the sharding of a torch_dist save only the first
+    time. Its local saves are meant to skip it through the cached shard distribution, but that distribution is
+    None when the data-parallel group has one rank (nothing to distribute), so 0.19.2 validates every local save
+    again: two all_gather_object rounds over the whole job, every snapshot. Validate the first, as torch_dist does.
+    Only MCoreTensorAwareStateDict.from_state_dict (the local save) reads this module's save_preprocess."""
+    from megatron.core.dist_checkpointing import tensor_aware_state_dict
+
+    preprocess = tensor_aware_state_dict.save_preprocess
+    validated = [False]
+
+    @functools.wraps(preprocess)
+    def once(sharded_state_dict, validate_access_integrity=True, *args, **kwargs):
+        validate = validate_access_integrity and not validated[0]
+        validated[0] = validated[0] or validate
+        return preprocess(sharded_state_dict, validate, *args, **kwargs)
+
+    tensor_aware_state_dict.save_preprocess = once
+
+
 def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
     load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
