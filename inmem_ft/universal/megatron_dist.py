@@ -67,7 +67,7 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     if topo.get("framework") != "megatron":
         raise InmemFTError(f"--format megatron-dist needs a Megatron snapshot; step {src.step} was taken by "
                            f"{topo.get('framework')!r}: export it with --format deepspeed-universal or torch-dcp")
-    from ..integrations.megatron.manager import replica_tuple
+    from ..integrations.megatron.manager import replica_tuple, tensor_entries
     from ..integrations.megatron.patch import register_safe_classes  # imports megatron: only for this format
 
     register_safe_classes()  # the common state's Namespace and enums come back as themselves
@@ -75,7 +75,7 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     common.setdefault("content_metadata", content_metadata(common["args"]))
     objects, keys = {}, set()
     for rank in sorted(src.manifests):
-        keys.update(t["key"] for t in src.state(rank, "tensors"))
+        keys.update(t["key"] for t in tensor_entries(src.state(rank, "tensors")))
         for obj in src.state(rank, "objects"):
             if not any(replica_tuple(obj["replica_id"])) or unique_key(obj) not in objects:  # the main copy wins
                 objects[unique_key(obj)] = obj["data"]

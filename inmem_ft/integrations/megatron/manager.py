@@ -96,7 +96,7 @@ def to_tree(tasd, *, deduplicated: bool, extra_specs=lambda sh: (), described: D
     return {"common": tasd.common, "tensors": {"described": described.text, "data": data}, "objects": objects}
 
 
-def _tensor_entries(tensors) -> list[dict]:
+def tensor_entries(tensors) -> list[dict]:
     """A tree's tensors as one dict each (so inmem_ft releases before the JSON text stored them)."""
     if isinstance(tensors, list):
         return tensors
@@ -123,7 +123,7 @@ def from_tree(tree: dict):
     from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
     sharded = {}
-    for i, t in enumerate(_tensor_entries(tree["tensors"])):
+    for i, t in enumerate(tensor_entries(tree["tensors"])):
         replica, fragmentations = t["replica_id"], t["axis_fragmentations"]
         sharded[f"t{i}"] = ShardedTensor(t["key"], t["data"], t["data"].dtype, tuple(t["local_shape"]),
                                          tuple(t["global_shape"]), tuple(t["global_offset"]),
