@@ -17,6 +17,15 @@ def trained(seed):
     return model, opt
 
 
+def saved(job) -> list[torch.Tensor]:
+    """Snapshot a trained model and optimizer as step 1; their tensors, for comparison after a restore."""
+    model, opt = trained(0)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
+        snap.wait()
+    return [t.clone() for t in tensors(model, opt)]
+
+
 def tensors(model, opt):
     return [*model.parameters(), *model.buffers(),
             *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
@@ -24,11 +33,7 @@ def tensors(model, opt):
 
 @pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["moments-exist", "no-moments-yet"])
 def test_views_are_copied_out_of_shared_memory_after_the_load(job, smp, fresh_optimizer):
-    model, opt = trained(0)
-    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
-        snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
-        snap.wait()
-    expected = [t.clone() for t in tensors(model, opt)]
+    expected = saved(job)
 
     model2, opt2 = trained(1)
     if fresh_optimizer:
@@ -53,11 +58,7 @@ def test_views_are_copied_out_of_shared_memory_after_the_load(job, smp, fresh_op
 def test_deferred_copy_out_waits_for_the_fence(job, smp):
     """With defer, the optimizer keeps its views until the next fence (before its first step), then holds
     private copies with the snapshot's values; a snapshot taken before any step fences first."""
-    model, opt = trained(0)
-    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
-        snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
-        snap.wait()
-    expected = [t.clone() for t in tensors(model, opt)]
+    expected = saved(job)
 
     model2, _ = trained(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
