@@ -12,7 +12,10 @@ ranks (gloo, CPU, DS_ACCELERATOR=cpu), ZeRO-1 and ZeRO-3 in the same run. Per st
                             extra time of the next engine.step(), which waits there for the writer process
   dcp_async_save_s          torch.distributed.checkpoint.async_save of the very dicts DeepSpeed saves
                             (captured through a recording engine; the capture is included)
-  restore_s / disk_load_s   in a fresh process and engine: inmem_ft's restore vs engine.load_checkpoint
+  restore_s / disk_load_s   in a fresh process and engine: inmem_ft's restore vs engine.load_checkpoint;
+                            restore_s is the install() call plus what the first optimizer step waits for
+                            (the copy-out of the optimizer state, which runs behind forward/backward)
+  first_step_after_*        the first training step after each (what moved behind forward/backward shows)
   dlrover_*                 DLRover Flash Checkpoint (benchmarks/peers/dlrover_flash.py), run under its own
                             launcher dlrover-run: memory save (the whole save_checkpoint call blocks), disk
                             save (the call, and until its saver has persisted the step), and the restore from
@@ -386,8 +389,10 @@ def measure_inmem(args, adapter) -> dict:
 def phase_load(args) -> dict:
     import torch.distributed as dist
     res = {"skipped": {}}
+    import torch
     disk = os.path.join(args.disk_dir, f"zero{args.stage}")
-    times = []
+    x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    times, firsts = [], []
     for _ in range(args.load_repeats):
         engine = build_engine(args, interval=1)
         dist.barrier()
@@ -395,33 +400,51 @@ def phase_load(args) -> dict:
         path, _ = engine.load_checkpoint(os.path.join(disk, "torch"), tag=args.tag)
         times.append(time.perf_counter() - t0)
         assert path is not None, "load_checkpoint found nothing"
+        firsts.append(train_step(engine, x))
         engine.destroy()
         del engine
         gc.collect()
     res["disk_load_s"] = slowest(statistics.median(times))
+    res["first_step_after_disk_load_s"] = slowest(statistics.median(firsts))
 
     adapter, why = load_adapter()
     if adapter is None:
         res["skipped"]["restore_s"] = why
         return res
     try:
-        times, tiers, inner, phases = [], [], [], []
+        times, tiers, inner, phases, calls, waits, firsts = [], [], [], [], [], [], []
         for _ in range(args.load_repeats):
             engine = build_engine(args, interval=10**9)
             dist.barrier()
             t0 = time.perf_counter()
             handle = adapter.install(engine)
-            wall = time.perf_counter() - t0
+            call = time.perf_counter() - t0
             restored = getattr(handle, "restored", None)
             tiers.append(str(getattr(restored, "tier", restored)))
             inner.append(getattr(restored, "seconds", None))
-            phases.append(getattr(restored, "phases", {}))
-            times.append(wall)
+            # What of the restore runs behind the first forward/backward (the copy-out of what the optimizer
+            # keeps) and what the first optimizer step still waits for: training is blocked for the call plus
+            # that wait, as for a save.
+            t1 = time.perf_counter()
+            loss = engine(x)
+            engine.backward(loss)
+            t2 = time.perf_counter()
+            handle.snap.fence()
+            wait = time.perf_counter() - t2
+            engine.step()
+            firsts.append(time.perf_counter() - t1)
+            phases.append({**getattr(restored, "phases", {}), "copy_out_wait": round(wait, 4)})
+            calls.append(call)
+            waits.append(wait)
+            times.append(call + wait)
             handle.close()
             engine.destroy()
             del engine, handle
             gc.collect()
         res["restore_s"] = slowest(statistics.median(times))
+        res["restore_call_s"] = slowest(statistics.median(calls))
+        res["restore_copy_out_wait_s"] = slowest(statistics.median(waits))
+        res["first_step_after_restore_s"] = slowest(statistics.median(firsts))
         res["restore_tier"] = tiers[-1]
         res["restore_reported_s"] = slowest(inner[-1])
         # The restore's own breakdown (slowest rank per phase): where a restore's time goes.
@@ -568,10 +591,14 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("dlrover_disk_save_s", "DLRover disk save (blocking)"),
         ("dlrover_disk_persist_s", "  DLRover disk save until persisted"),
         ("inmem_commit_s", "inmem_ft commit behind training (copy, checksums, agreement)"),
-        ("restore_s", "inmem_ft restore into a fresh engine"),
+        ("restore_s", "inmem_ft restore into a fresh engine (training blocked)"),
+        ("restore_call_s", "  of which: install() call"),
+        ("restore_copy_out_wait_s", "  of which: first step's wait for the optimizer state's copy-out"),
         ("dlrover_restore_s", "DLRover restore from memory after a restart"),
         ("dlrover_restore_load_s", "  of which: its load_checkpoint"),
         ("disk_load_s", "engine.load_checkpoint from local disk"),
+        ("first_step_after_restore_s", "first training step after the inmem_ft restore"),
+        ("first_step_after_disk_load_s", "first training step after the disk load"),
         ("step_s", "step time, no snapshots"),
         ("step_overhead_interval1", "step time ratio, snapshot every step"),
         ("step_overhead_interval10", "step time ratio, snapshot every 10 steps"),
@@ -580,6 +607,11 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("ratio_vs_dlrover_memory", "inmem_blocking_s / dlrover_memory_save_s (goal <= 0.25)"),
         ("restore_vs_dlrover", "restore_s / dlrover_restore_s (goal <= 1.0)"),
         ("restore_vs_dlrover_load", "  restore_s / dlrover_restore_load_s (its load alone)")]
+# The restore's phases (RestoreInfo.phases and the adapter's) under the names an operator asks about.
+RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums", ("verify", "copy_verify")),
+                  ("reads+gather of shares", ("replicated",)), ("unpack", ("unpack",)),
+                  ("DeepSpeed's load (copy into the engine)", ("engine",)),
+                  ("copy-out wait at the first step", ("copy_out_wait",))]
 RATIOS = ("step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
           "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
 # Rows printed even when no stage has them (with the reason), so that a missing figure is never silent.
@@ -608,8 +640,12 @@ def print_table(results: dict) -> None:
     for s in stages:
         phases = results["stages"][s].get("restore_phases")
         if phases:
+            named = [(label, sum(phases.get(k, 0.0) for k in keys)) for label, keys in RESTORE_PHASES
+                     if any(k in phases for k in keys)]
+            known = {k for _, keys in RESTORE_PHASES for k in keys}
+            named += [(k, v) for k, v in phases.items() if k not in known]
             print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
-                  + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
+                  + ", ".join(f"{label} {v:.3f} s" for label, v in named))
         if results["stages"][s].get("dlrover_restore_exact") is False:
             print(f"  ZeRO-{s} DLRover's restore did not come back bit-identically (step or losses differ)")
     skips = {}  # one line per reason, naming the stages it applies to

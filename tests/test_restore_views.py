@@ -17,6 +17,15 @@ def trained(seed):
     return model, opt
 
 
+def saved(job) -> list[torch.Tensor]:
+    """Snapshot a trained model and optimizer as step 1; their tensors, for comparison after a restore."""
+    model, opt = trained(0)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
+        snap.wait()
+    return [t.clone() for t in tensors(model, opt)]
+
+
 def tensors(model, opt):
     return [*model.parameters(), *model.buffers(),
             *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
@@ -24,11 +33,7 @@ def tensors(model, opt):
 
 @pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["moments-exist", "no-moments-yet"])
 def test_views_are_copied_out_of_shared_memory_after_the_load(job, smp, fresh_optimizer):
-    model, opt = trained(0)
-    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
-        snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
-        snap.wait()
-    expected = [t.clone() for t in tensors(model, opt)]
+    expected = saved(job)
 
     model2, opt2 = trained(1)
     if fresh_optimizer:
@@ -48,3 +53,26 @@ def test_views_are_copied_out_of_shared_memory_after_the_load(job, smp, fresh_op
         if not fresh_optimizer:  # copied into the moments it had, not into fresh memory
             after = [v for s in opt2.state.values() for v in s.values()]
             assert all(a is b for a, b in zip(after, moments))
+
+
+def test_deferred_copy_out_waits_for_the_fence(job, smp):
+    """With defer, the optimizer keeps its views until the next fence (before its first step), then holds
+    private copies with the snapshot's values; a snapshot taken before any step fences first."""
+    expected = saved(job)
+
+    model2, _ = trained(1)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        state = snap.restore(views=True)
+        bases = snap.mapped_storages()
+        with PrivateAfterLoad(snap, [opt2], [model2], defer=True) as guard:
+            model2.load_state_dict(state["model"])
+            opt2.load_state_dict(state["optim"])
+        assert guard.copied > 0
+        moments = [v for s in opt2.state.values() for v in s.values() if v.numel() > 1]
+        assert all(v.untyped_storage().data_ptr() in bases for v in moments)  # still views: copy in background
+        snap.save(2, {"model": model2.state_dict(), "optim": opt2.state_dict()})  # fences before it copies
+        got = tensors(model2, opt2)
+        assert not [t for t in got if t.untyped_storage().data_ptr() in bases]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        snap.wait()

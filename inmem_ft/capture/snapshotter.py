@@ -109,6 +109,7 @@ class Snapshotter:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-commit")
         self._pending: Future | None = None
         self._fence_work = None
+        self._before_change = []  # run at the next fence (a restore's copy-out behind forward/backward)
         self._copied = threading.Event()
         self._complete: int | None = None
         self._reserved = False
@@ -207,7 +208,11 @@ class Snapshotter:
         return reply, self._attach(reply["segment"], reply["inode"])
 
     def fence(self) -> None:
-        """Before the snapshotted state changes: wait for an overlapped snapshot's copy. Cheap otherwise."""
+        """Before the snapshotted state changes: wait for an overlapped snapshot's copy, or for a restore's
+        copy-out (capture.views). Cheap otherwise."""
+        pending, self._before_change = self._before_change, []
+        for finish in pending:
+            finish()
         work, self._fence_work = self._fence_work, None
         if work is None:
             return
@@ -218,6 +223,10 @@ class Snapshotter:
         self.metrics.last_stall_s += waited
         self.metrics.total_stall_s += waited
         self.metrics.stalls_s[-1] += waited
+
+    def before_change(self, finish) -> None:
+        """Call `finish()` at the next fence(), before the state next changes or is snapshotted."""
+        self._before_change.append(finish)
 
     def fence_optimizer(self, optimizer) -> None:
         """Fence automatically before every `optimizer.step()` (a torch.optim step pre-hook)."""

@@ -216,9 +216,10 @@ class Handle:
         inner = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if isinstance(o, torch.optim.Optimizer)]
         try:
             # The state views the slots; the engine copies parameters and ZeRO partitions into its own tensors,
-            # and torch's optimizer keeps what it is given: that is copied out into the moments it had before.
+            # and torch's optimizer keeps what it is given: that is copied out behind the first forward/backward
+            # and swapped in at the fence before the first optimizer step (wrapped_step) or snapshot.
             with PrivateAfterLoad(self.snap, inner, [self.engine.module],
-                                  [optimizer] if optimizer is not None else []):
+                                  [optimizer] if optimizer is not None else [], defer=True):
                 path, _ = self._load(self.scratch, tag, *a, **kw)
         finally:
             del self.engine._get_all_ckpt_names
