@@ -258,15 +258,11 @@ class Protector:
     def decode_range(self, lost: int, step: int, start: int, length: int) -> np.ndarray:
         """Bytes [start, start+length) of member `lost`'s node data at `step`, decoded from the same byte
         range of k surviving chunks of each stripe it touches (RS works bytewise)."""
-        cs, pos, m = self._parity(step).record["chunk_size"], self.members.index(lost), self.groups.m
+        cs = self._parity(step).record["chunk_size"]
         if start < 0 or length < 0 or start + length > cs * self.layout.k:
             raise InmemFTError(f"bytes [{start}, {start + length}) leave node {lost}'s data at step {step}")
         out = np.zeros(length, dtype=np.uint8)
-        reader = StripeReader(self, step, cs, {lost})
-        for c in range(start // cs, -(-(start + length) // cs)):
-            a, b = max(start, c * cs), min(start + length, (c + 1) * cs)
-            if a < b:
-                reader.decode((pos - m - c) % self.layout.G, c, a - c * cs, out[a - start: b - start])
+        StripeReader(self, step, cs, {lost}).node_bytes(self.members.index(lost), start, out, self.piece)
         return out
 
     # ---- rebuilding ----------------------------------------------------------------------------------

@@ -94,6 +94,16 @@ class StripeReader:
                                 "another survivor", self.node, src[1], self.step, stripe, e)
         self.layout.codec.decode(blocks, [want], {want: out})
 
+    def node_bytes(self, pos: int, off: int, out: np.ndarray, piece: int, exclude=()) -> None:
+        """Bytes [off, off+len(out)) of member `pos`'s node data, decoded across its chunks, at most `piece`
+        bytes per pull."""
+        at, end = off, off + out.nbytes
+        while at < end:
+            c, a = divmod(at, self.cs)
+            n = min(end - at, self.cs - a, piece)
+            self.decode(self.layout.data_stripe(pos, c), c, a, out[at - off: at - off + n], exclude)
+            at += n
+
     def _pull(self, src, n: int) -> np.ndarray:
         block, node, header = src
         buf = self._bufs.get(block)
@@ -189,7 +199,7 @@ class Rebuild:
             if off < 0 or off + n > self.length:
                 raise VerifyFailed(f"{where}: the index points at [{off}, {off + n}), past its {self.length} bytes")
             out = np.empty(n, dtype=np.uint8)
-            self._stream(reader, off, out, exclude)
+            reader.node_bytes(self.pos, off, out, self.piece, exclude)
             return out
         try:
             got, index = nodedata.read_index(read)
@@ -256,7 +266,7 @@ class Rebuild:
                 if pos + n <= done:
                     continue
                 if c < k and any(s < pos + n and e > pos for s, e, _, _ in parts):
-                    self._stream(reader, pos, buf[:n], exclude)
+                    reader.node_bytes(self.pos, pos, buf[:n], self.piece, exclude)
                     for s, e, dst, base in parts:
                         x, y = max(s, pos), min(e, pos + n)
                         if x < y:
@@ -273,16 +283,6 @@ class Rebuild:
                     log.info("ec node=%d event=rebuild_progress step=%d done=%d of=%d", self.p.node, self.step,
                              bar.n, total)
                     said = now
-
-    def _stream(self, reader: StripeReader, off: int, out: np.ndarray, exclude) -> None:
-        """Node-data bytes [off, off+len(out)) of this node, decoded piece by piece across its chunks."""
-        pos, end = off, off + out.nbytes
-        while pos < end:
-            c, a = divmod(pos, self.cs)
-            n = min(end - pos, self.cs - a, self.piece)
-            stripe = (self.pos - self.layout.m - c) % self.layout.G  # chunk c of this node is data block c there
-            reader.decode(stripe, c, a, out[pos - off: pos - off + n], exclude)
-            pos += n
 
 
 def interrupted(smp) -> dict | None:

@@ -89,6 +89,11 @@ class StripeLayout:
         self._check_node(node)
         return [((node - p) % self.G, p) for p in range(self.m)]
 
+    def data_stripe(self, node, c):
+        """The stripe whose data block c is `node`'s chunk c (the inverse of Stripe.data)."""
+        self._check_node(node)
+        return (node - self.m - c) % self.G
+
     def _check_node(self, node):
         if not isinstance(node, (int, np.integer)) or not 0 <= node < self.G:
             raise ValueError(f"{self}: node {node!r} is outside 0..{self.G - 1}")
