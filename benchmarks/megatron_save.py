@@ -106,6 +106,7 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
         training.train = load_from_disk
         example.run(cfg)
         result["restore_s"] = handle.restored.seconds if handle.restored else None
+        result["restore_phases"] = handle.restored.phases if handle.restored else {}
     handle.close()
     with open(f"{out}.rank{dist.get_rank() if dist.is_initialized() else 0}.json", "w") as f:
         json.dump(result, f)
@@ -123,6 +124,18 @@ def model_argv(opts) -> list[str]:
             "--ckpt-assume-constant-structure",  # both kinds of save reuse their plan across saves
             "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore",
             "--inmem-ft", "--inmem-ft-interval", str(opts.interval), "--inmem-ft-job", opts.job]
+
+
+# The restore's phases (RestoreInfo.phases and the adapter's) under the names an operator asks about.
+RESTORE_PHASES = [("agreement", ("list", "agree", "pull")),
+                  ("reads + checksums (each piece hashed as it is copied)", ("verify", "copy_verify")),
+                  ("data-parallel shares", ("replicated",)), ("unpack", ("unpack",)),
+                  ("Megatron's load_checkpoint of it", ("megatron_load",))]
+SETUP = ("snapshotter", "layout")  # before restore_s starts
+
+
+def phase_groups(phases: dict) -> dict:
+    return {label: round(sum(phases.get(p, 0.0) for p in names), 4) for label, names in RESTORE_PHASES}
 
 
 def slowest(per_rank: list[dict], key: str):
@@ -157,9 +170,15 @@ def orchestrate(opts) -> dict:
                 else:
                     results["restore_s"] = slowest(per_rank, "restore_s")
                     results["disk_load_s"] = slowest(per_rank, "disk_load_s")
+                    ranks = [r for r in per_rank if r.get("restore_s") is not None]
+                    if ranks:  # the slowest rank's phases, so that they add up to its restore_s
+                        worst = max(ranks, key=lambda r: r["restore_s"])
+                        results["restore_phases"] = phase_groups(worst["restore_phases"])
+                        results["setup_s"] = {k: worst["restore_phases"].get(k) for k in SETUP}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["blocked_vs_sync"] = results["inmem_blocking_s"] / results["torch_dist_sync_s"]
+    results["restore_vs_disk_load"] = results["restore_s"] / results["disk_load_s"]
     return results
 
 
@@ -207,6 +226,12 @@ def main() -> None:
     for key in (*KEYS, *BREAKDOWN, "restore_s", "disk_load_s"):
         print(f"{key:28}{results[key]:>10.4f}")
     print(f"inmem blocked / torch_dist sync save: {results['blocked_vs_sync']:.3f}")
+    print(f"restore from memory / torch_dist load from disk: {results['restore_vs_disk_load']:.3f}")
+    print("restore_s of the slowest rank, by phase:")
+    for label, seconds in results.get("restore_phases", {}).items():
+        print(f"  {label:<58}{seconds:>8.4f}")
+    print("  (before it, not in restore_s: " + ", ".join(f"{k} {v:.4f} s" for k, v in results.get("setup_s", {}).items())
+          + ": connecting to the SMP and creating the snapshot's gloo group, which every run with --inmem-ft pays)")
     report.write(results, opts.json, plot, opts.plot)
 
 

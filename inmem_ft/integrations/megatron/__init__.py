@@ -30,8 +30,9 @@ class Restored:
     step: int
     tier: str  # "memory" | "peer reconstruction" | "memory resharded"
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
-    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout, to
-    # open its catalog and to read this rank's share
+    phases: dict | None = None  # seconds per phase: to set up (snapshotter, layout: before `seconds` starts),
+    # then from memory the restore's (RestoreInfo.phases) and megatron_load; resharded: to find the snapshots
+    # are of another layout, to open its catalog and to read this rank's share
 
 
 class Handle:
@@ -93,9 +94,13 @@ class Handle:
                               [f"{k}={v}" for k, v in info.items() if k.startswith("bytes")]))
         elif served:
             info = self.snap.last_restore
-            self.restored = Restored(info.step, info.source, time.perf_counter() - self.manager.restore_t0)
-            log.info("restore rank=%d step=%d source=%s seconds=%.3f", self.snap.rank, info.step,
-                     info.source.replace(" ", "_"), self.restored.seconds)
+            seconds = time.perf_counter() - self.manager.restore_t0
+            # Everything after the snapshot was back: Megatron's load_checkpoint of it (our translation, its
+            # to_state_dict, the model's and optimizer's load_state_dict) and the step fix above.
+            phases = {**self._setup_s, **info.phases, "megatron_load": round(seconds - info.seconds, 4)}
+            self.restored = Restored(info.step, info.source, seconds, phases)
+            log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.snap.rank, info.step,
+                     info.source.replace(" ", "_"), seconds, " ".join(f"{k}_s={v:.3f}" for k, v in phases.items()))
         elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
             log.info("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank, iteration)
         else:
