@@ -44,8 +44,17 @@ class Handle:
         self.restored: Restored | None = None
         self._setup_s: dict = {}  # seconds of the load's phases, for a reshard's log line
 
-    def _before_load(self, checkpointing_context: dict, model, optimizer) -> None:
+    def _before_load(self, checkpointing_context: dict, model, optimizer):
+        """Our manager in Megatron's context, and what Megatron's load then runs in: the restored state views
+        the slots (no copy of it into fresh memory on the way), Megatron copies parameters into its own tensors,
+        and whatever it keeps as it is (torch's Optimizer.load_state_dict keeps the Adam moments it is given;
+        on a GPU it would copy them to the device) is copied out behind the first forward/backward and swapped
+        in before the first optimizer step (capture.views)."""
+        import torch
+        from megatron.core.utils import unwrap_model
+
         from ...capture import Snapshotter
+        from ...capture.views import PrivateAfterLoad
         from . import patch
         from .layout import MegatronLayout
         from .manager import NONE, InmemCheckpointManager
@@ -62,6 +71,9 @@ class Handle:
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
+        chained = getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else [])
+        inner = [o.optimizer for o in chained if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
+        return PrivateAfterLoad(self.snap, inner, unwrap_model(model), defer=True)  # not DDP: its .buffers is a list
 
     def _reshard(self):
         """The newest snapshots are of another layout (`reshard: auto`): open them for this rank (collective)."""

@@ -104,9 +104,9 @@ def tensor_entries(tensors) -> list[dict]:
 
 
 def _standalone(value):
-    """Tensors of the common part and of ShardedObjects as tensors of their own. Restore hands back views into
-    one private copy of the whole slot, and two of Megatron's uses of these small tensors go wrong on such a
-    view: torch.set_rng_state crashes (SIGSEGV) on one that does not start its storage, and the optimizer's
+    """Tensors of the common part and of ShardedObjects as tensors of their own. Restore hands back views of
+    the whole slot (or of one private copy of it), and two of Megatron's uses of these small tensors go wrong
+    on such a view: torch.set_rng_state crashes (SIGSEGV) on one that does not start its storage, and the optimizer's
     load deep-copies the common Adam `step` once per parameter, and a deep copy of a view copies its whole
     storage (measured: 3.1 s and a slot's size per parameter in memory for a 21 MB slot of 52 parameters)."""
     import torch
@@ -178,7 +178,8 @@ class InmemCheckpointManager:
             self._looked = True
             self.restore_t0 = time.perf_counter()
             try:
-                self._restored = self.snap.restore(layout=self._topology(0))
+                # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad.
+                self._restored = self.snap.restore(layout=self._topology(0), views=True)
             except LayoutChanged:
                 if self._reshard is None:
                     raise

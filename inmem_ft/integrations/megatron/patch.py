@@ -76,8 +76,9 @@ def validate_structure_once() -> None:
 def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
     load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
-    `before(checkpointing_context, model, optimizer)` puts ours in place just ahead of that load,
-    `after(model, optimizer, iteration loaded)` runs once it is done. Later loads (RL reference weights) stay stock.
+    `before(checkpointing_context, model, optimizer)` puts ours in place just ahead of that load and returns a
+    context manager the load runs in, `after(model, optimizer, iteration loaded)` runs once it is done. Later
+    loads (RL reference weights) stay stock.
     The load runs under no_grad: with fp32 parameters the distributed optimizer's main parameters are views
     of them, and 0.19.2 copies the loaded values into those in place (autograd refuses that otherwise)."""
     import torch
@@ -92,8 +93,8 @@ def around_load(before, after) -> None:
             return load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
                         **kwargs)
         first[0] = False
-        before(checkpointing_context, model, optimizer)
-        with torch.no_grad():
+        guard = before(checkpointing_context, model, optimizer)
+        with torch.no_grad(), guard:
             out = load(model, optimizer, opt_param_scheduler, *args, checkpointing_context=checkpointing_context,
                        **kwargs)
         after(model, optimizer, out[0])
