@@ -16,8 +16,8 @@ same state, in this order (so that our copy overlaps the next forward/backward, 
 Then, in a fresh launch (the same SMP): restore_s (the snapshot back from memory and loaded by Megatron,
 by phase: agreement, checksums, Megatron's load), copy_out_wait_s (what the first optimizer step would still
 wait for of the copy-out of the optimizer state Megatron kept as views of the slots, at the latest point: no
-forward/backward hides it here) and disk_load_s (Megatron's load_checkpoint of the torch_dist checkpoint; page
-cache, no fsync).
+forward/backward hides it here); in another fresh launch, without --inmem-ft: disk_load_s (Megatron's
+load_checkpoint of the torch_dist checkpoint under --load, barrier to barrier; page cache, no fsync).
 Medians over the repeats of the slowest rank.
 """
 from __future__ import annotations
@@ -93,29 +93,37 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
             row["inmem_blocking_s"] = row.pop("inmem_call_s") + ours - row.pop("stall_at_call_s")
             row["inmem_snapshotter_s"] = ours
         result = {"rows": rows, "bytes": handle.snap.metrics.last_bytes}
-    else:
-        def load_from_disk(forward_step_func, model, optimizer, scheduler, *a, **kw):
-            from megatron.training.checkpointing import load_checkpoint
-
-            # The restore's copy-out of what the optimizer kept runs behind the first forward/backward; with no
-            # training here, wait for it where that would start (and not during the disk load).
+    elif phase == "load":
+        def no_training(forward_step_func, model, optimizer, scheduler, *a, **kw):
+            # The restore's copy-out of what the optimizer kept runs behind the first forward/backward; with
+            # no training here, wait for it where that would start.
             t0 = time.perf_counter()
             handle.snap.fence()
             result["copy_out_wait_s"] = time.perf_counter() - t0
-            args.non_persistent_ckpt_type, args.load = None, os.path.join(ckpt, "sync")
-            dist.barrier()
-            t0 = time.perf_counter()
-            load_checkpoint(model, optimizer, scheduler, checkpointing_context={})
-            dist.barrier()
-            result["disk_load_s"] = time.perf_counter() - t0
             return args.iteration, 0
 
         result = {}
-        training.train = load_from_disk
+        training.train = no_training
         example.run(cfg)
         result["restore_s"] = handle.restored.seconds if handle.restored else None
         result["restore_phases"] = handle.restored.phases if handle.restored else {}
-    handle.close()
+    else:  # "disk": a restart that loads the torch_dist checkpoint (--load), timed as Megatron runs it
+        stock = training.load_checkpoint
+
+        def timed_load(*a, **kw):
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = stock(*a, **kw)
+            dist.barrier()
+            result["disk_load_s"] = time.perf_counter() - t0
+            return out
+
+        result = {}
+        training.load_checkpoint = timed_load
+        training.train = lambda *a, **kw: (args.iteration, 0)
+        example.run(cfg)
+    if handle is not None:
+        handle.close()
     with open(f"{out}.rank{dist.get_rank() if dist.is_initialized() else 0}.json", "w") as f:
         json.dump(result, f)
 
@@ -124,14 +132,15 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
 # Orchestrator
 # ---------------------------------------------------------------------------------------------------------
 
-def model_argv(opts) -> list[str]:
+def model_argv(opts, phase: str, ckpt: str) -> list[str]:
     iters = opts.warmup + opts.repeats * opts.interval + 1  # + 1: an optimizer step (and its fence) after each
+    inmem = ["--inmem-ft", "--inmem-ft-interval", str(opts.interval), "--inmem-ft-job", opts.job]
     return ["--tensor-model-parallel-size", "2", "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
             "--num-attention-heads", "8", "--seq-length", "128", "--max-position-embeddings", "128",
             "--vocab-size", "1024", "--train-iters", str(iters), "--save-interval", "1000000",
             "--ckpt-assume-constant-structure",  # both kinds of save reuse their plan across saves
             "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore",
-            "--inmem-ft", "--inmem-ft-interval", str(opts.interval), "--inmem-ft-job", opts.job]
+            *(["--load", os.path.join(ckpt, "sync")] if phase == "disk" else inmem)]
 
 
 # The restore's phases (RestoreInfo.phases and the adapter's) under the names an operator asks about.
@@ -160,9 +169,12 @@ def orchestrate(opts) -> dict:
     results = {"model": {"layers": opts.layers, "hidden": opts.hidden, "tp": 2, "ranks": 2}, "repeats": opts.repeats}
     try:
         with SimulatedCluster(1, 2, opts.job, opts.budget, os.path.join(work, "logs")) as cluster:
-            for phase in ("save", "load"):
-                argv = [os.path.abspath(__file__), "--worker", phase, os.path.join(work, phase),
-                        os.path.join(work, "ckpt"), *model_argv(opts)]
+            # Each load in a fresh launch of its own: in one process the second would find Megatron's code
+            # paths warm and its optimizer state allocated (init_state_fn skips a non-empty state).
+            for phase in ("save", "load", "disk"):
+                ckpt = os.path.join(work, "ckpt")
+                argv = [os.path.abspath(__file__), "--worker", phase, os.path.join(work, phase), ckpt,
+                        *model_argv(opts, phase, ckpt)]
                 attempt = cluster.run(argv, timeout_s=1800)
                 if not attempt.ok:
                     sys.exit(f"the {phase} phase failed:\n{cluster.rank_log(attempt.number, attempt.first_failure)[-4000:]}")
@@ -175,9 +187,10 @@ def orchestrate(opts) -> dict:
                     for key in KEYS + BREAKDOWN:
                         results[key] = statistics.median(max(row[key] for row in ranks) for ranks in rows)
                     results["bytes_per_rank"] = max(r["bytes"] for r in per_rank)
+                elif phase == "disk":
+                    results["disk_load_s"] = slowest(per_rank, "disk_load_s")
                 else:
                     results["restore_s"] = slowest(per_rank, "restore_s")
-                    results["disk_load_s"] = slowest(per_rank, "disk_load_s")
                     results["copy_out_wait_s"] = slowest(per_rank, "copy_out_wait_s")
                     ranks = [r for r in per_rank if r.get("restore_s") is not None]
                     if ranks:  # the slowest rank's phases, so that they add up to its restore_s
