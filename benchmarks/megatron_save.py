@@ -256,10 +256,11 @@ def main() -> None:
     print("restore_s of the slowest rank, by phase:")
     for label, seconds in results.get("restore_phases", {}).items():
         print(f"  {label:<58}{seconds:>8.4f}")
-    print(f"  (after it, not in restore_s: the copy-out of the optimizer's kept views, waited for {results['copy_out_wait_s']:.4f} s "
-          f"where the first forward/backward would start and hide it)")
-    print("  (before it, not in restore_s: " + ", ".join(f"{k} {v:.4f} s" for k, v in results.get("setup_s", {}).items())
-          + ": connecting to the SMP and creating the snapshot's gloo group, which every run with --inmem-ft pays)")
+    print(f"  (after it, not in restore_s: the copy-out of the optimizer's kept views, waited for "
+          f"{results['copy_out_wait_s']:.4f} s where the first forward/backward would start and hide it)")
+    setup = ", ".join(f"{k} {v:.4f} s" for k, v in results.get("setup_s", {}).items())
+    print(f"  (before it, not in restore_s: {setup}: connecting to the SMP and creating the snapshot's gloo group, "
+          f"which every run with --inmem-ft pays)")
     report.write(results, opts.json, plot, opts.plot)
 
 

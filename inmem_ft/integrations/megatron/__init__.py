@@ -42,7 +42,7 @@ class Handle:
         self.args, self.block = args, block
         self.snap = self.manager = self.layout = None
         self.restored: Restored | None = None
-        self._setup_s: dict = {}  # seconds of the load's phases, for a reshard's log line
+        self._setup_s: dict = {}  # seconds of the load's setup phases, for the restore's log line
 
     def _before_load(self, checkpointing_context: dict, model, optimizer):
         """Our manager in Megatron's context, and what Megatron's load then runs in: the restored state views

@@ -106,9 +106,10 @@ def tensor_entries(tensors) -> list[dict]:
 def _standalone(value):
     """Tensors of the common part and of ShardedObjects as tensors of their own. Restore hands back views of
     the whole slot (or of one private copy of it), and two of Megatron's uses of these small tensors go wrong
-    on such a view: torch.set_rng_state crashes (SIGSEGV) on one that does not start its storage, and the optimizer's
-    load deep-copies the common Adam `step` once per parameter, and a deep copy of a view copies its whole
-    storage (measured: 3.1 s and a slot's size per parameter in memory for a 21 MB slot of 52 parameters)."""
+    on such a view: torch.set_rng_state crashes (SIGSEGV) on one that does not start its storage, and the
+    optimizer's load deep-copies the common Adam `step` once per parameter, and a deep copy of a view copies
+    its whole storage (measured: 3.1 s, and a slot's size of memory per parameter, for a 21 MB slot and 52
+    parameters; at 117.6 MB and 76 parameters the kernel killed the rank for memory)."""
     import torch
 
     if isinstance(value, torch.Tensor):
