@@ -147,6 +147,7 @@ def install(args) -> Handle | None:
     if args.ckpt_assume_constant_structure:
         patch.validate_structure_once()
     patch.register_safe_classes(args)
+    patch.finalize_when_committed()
     handle = Handle(args, block)
     patch.around_load(handle._before_load, handle._after_load)
     return handle
