@@ -85,6 +85,7 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
         training.training_log = training_log
 
         def timed(*a, **kw):
+            dist.barrier()  # the ranks start together: no rank's time includes waiting for another to arrive
             t0 = time.perf_counter()
             stock(*a, **kw)
             return time.perf_counter() - t0
