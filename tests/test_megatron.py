@@ -91,6 +91,8 @@ def kill_and_resume(runtime, job, layout: list[str], *, nodes=1, ranks_per_node=
         first = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "first.jsonl"),
                                                         "--die-at", str(DIE_AT), "--die-rank", str(victim)])
         assert first.returncodes[victim] == -9, cluster.rank_log(first.number, first.first_failure or 0)
+        log = cluster.rank_log(first.number, 0)  # snapshots skip save_checkpoint (patch.snapshot_without_save_checkpoint)
+        assert f"snapshot rank=0 step={INTERVAL} event=committed" in log and "saved local checkpoint" not in log
         reference = ref.wait()
         assert reference.ok, ref.rank_log(reference.number, reference.first_failure)
         if lose_node is not None:
