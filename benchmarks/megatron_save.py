@@ -8,8 +8,9 @@ same state, in this order (so that our copy overlaps the next forward/backward, 
   torch_dist_sync_s        save_checkpoint_and_time(...) with the torch_dist format, --async-save off
   torch_dist_async_s       the same with --async-save (mcore strategy, a forked worker per save): the call
   torch_dist_async_total_s ... plus the wait until Megatron finalizes it
-  inmem_blocking_s         Megatron's own non-persistent save call that our manager serves (Megatron builds
-                           the tensor-aware state dict; we start the copy) plus the training thread's time
+  inmem_blocking_s         Megatron's non-persistent save call, which --inmem-ft routes to the adapter
+                           (Megatron's functions build the tensor-aware state dict; our manager starts the
+                           copy; patch.snapshot_without_save_checkpoint) plus the training thread's time
                            in Snapshotter.fence/wait until the next save point (the fence before the next
                            optimizer step; Megatron's finalize of the async request)
   inmem_snapshotter_s      ... of which inmem_ft's own part (Snapshotter.save plus those waits); the rest is
