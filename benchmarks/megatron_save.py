@@ -8,10 +8,12 @@ same state, in this order (so that our copy overlaps the next forward/backward, 
   torch_dist_sync_s        save_checkpoint_and_time(...) with the torch_dist format, --async-save off
   torch_dist_async_s       the same with --async-save (mcore strategy, a forked worker per save): the call
   torch_dist_async_total_s ... plus the wait until Megatron finalizes it
-  inmem_blocking_s         Megatron's own non-persistent save call that our manager serves (Megatron builds
-                           the tensor-aware state dict; we start the copy) plus the wait for that copy
-                           before the next optimizer step
-  inmem_snapshotter_s      ... of which inmem_ft's own part (Snapshotter.save plus that wait); the rest is
+  inmem_blocking_s         Megatron's non-persistent save call, which --inmem-ft routes to the adapter
+                           (Megatron's functions build the tensor-aware state dict; our manager starts the
+                           copy; patch.snapshot_without_save_checkpoint) plus the training thread's time
+                           in Snapshotter.fence/wait until the next save point (the fence before the next
+                           optimizer step; Megatron's finalize of the async request)
+  inmem_snapshotter_s      ... of which inmem_ft's own part (Snapshotter.save plus those waits); the rest is
                            Megatron building the state dict
 Then, in a fresh launch (the same SMP): restore_s (the snapshot back from memory and loaded by Megatron,
 by phase: agreement, checksums, Megatron's load), copy_out_wait_s (what the first optimizer step would still
@@ -57,9 +59,37 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
 
     rows = []
     if phase == "save":
+        from inmem_ft.capture import Snapshotter
+
         stock = training.save_checkpoint_and_time
+        # The training thread's time in Snapshotter.fence/wait outside the save calls, charged to the last
+        # save, until the last iteration is logged (pretrain's end then waits for the last commit).
+        waits = {"s": 0.0, "depth": 0, "on": False}
+
+        def charged(method):
+            def timed_wait(self, *a, **kw):
+                waits["depth"] += 1
+                t0 = time.perf_counter()
+                try:
+                    return method(self, *a, **kw)
+                finally:
+                    waits["depth"] -= 1
+                    if waits["depth"] == 0 and waits["on"]:
+                        waits["s"] += time.perf_counter() - t0
+            return timed_wait
+
+        Snapshotter.fence, Snapshotter.wait = charged(Snapshotter.fence), charged(Snapshotter.wait)
+        log = training.training_log
+
+        def training_log(*a, **kw):
+            if a[3] == args.train_iters:  # iteration
+                waits["on"] = False
+            return log(*a, **kw)
+
+        training.training_log = training_log
 
         def timed(*a, **kw):
+            dist.barrier()  # the ranks start together: no rank's time includes waiting for another to arrive
             t0 = time.perf_counter()
             stock(*a, **kw)
             return time.perf_counter() - t0
@@ -68,6 +98,9 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
                           train_data_iterator=None):
             if not non_persistent_ckpt:
                 return stock(iteration, model, optimizer, scheduler, flops, context, False, train_data_iterator)
+            waits["on"] = False
+            if rows:
+                rows[-1]["inmem_after_s"] = waits["s"]
             row = {"iteration": iteration}
             saved = (args.save, args.async_save)
             for mode, is_async in (("sync", False), ("async", True)):
@@ -81,17 +114,17 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
             args.save, args.async_save = saved
             row["inmem_call_s"] = timed(iteration, model, optimizer, scheduler, flops, context, True,
                                         train_data_iterator)
-            row["stall_index"] = len(handle.snap.metrics.stalls_s) - 1
-            row["stall_at_call_s"] = handle.snap.metrics.stalls_s[-1]  # without the fence wait yet
+            row["stall_at_call_s"] = handle.snap.metrics.last_stall_s
             rows.append(row)
+            waits["s"], waits["on"] = 0.0, True
 
         training.save_checkpoint_and_time = save_and_time
         example.run(cfg)
         handle.wait()
-        for row in rows:  # the fence before the next optimizer step added its wait to the snapshot's stall
-            ours = handle.snap.metrics.stalls_s[row.pop("stall_index")]
-            row["inmem_blocking_s"] = row.pop("inmem_call_s") + ours - row.pop("stall_at_call_s")
-            row["inmem_snapshotter_s"] = ours
+        rows[-1]["inmem_after_s"] = waits["s"]
+        for row in rows:
+            row["inmem_blocking_s"] = row["inmem_call_s"] + row["inmem_after_s"]
+            row["inmem_snapshotter_s"] = row["stall_at_call_s"] + row["inmem_after_s"]
         result = {"rows": rows, "bytes": handle.snap.metrics.last_bytes}
     elif phase == "load":
         def no_training(forward_step_func, model, optimizer, scheduler, *a, **kw):

@@ -91,6 +91,8 @@ def kill_and_resume(runtime, job, layout: list[str], *, nodes=1, ranks_per_node=
         first = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "first.jsonl"),
                                                         "--die-at", str(DIE_AT), "--die-rank", str(victim)])
         assert first.returncodes[victim] == -9, cluster.rank_log(first.number, first.first_failure or 0)
+        log = cluster.rank_log(first.number, 0)  # snapshots skip save_checkpoint (patch.snapshot_without_save_checkpoint)
+        assert f"snapshot rank=0 step={INTERVAL} event=committed" in log and "saved local checkpoint" not in log
         reference = ref.wait()
         assert reference.ok, ref.rank_log(reference.number, reference.first_failure)
         if lose_node is not None:
@@ -234,4 +236,46 @@ def test_translation_is_reused_while_the_shards_stay_the_same_and_round_trips(tm
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", TRANSLATION], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+ASYNC_FINALIZE = r"""
+import sys, threading
+import megatron_cpu_shim
+megatron_cpu_shim.install()
+import torch.distributed as dist
+from concurrent.futures import Future
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from inmem_ft.integrations.megatron import patch
+
+patch.finalize_when_committed()
+queue, done, commit = AsyncCallsQueue(), [], Future()
+ours = AsyncRequest(None, (commit,), [lambda: done.append("ours")])
+ours.add_finalize_fn(lambda: done.append("megatron's line"))
+queue.schedule_async_request(ours)
+assert queue.maybe_finalize_async_calls(blocking=False) == [] and done == [], done  # still committing
+commit.set_result(None)
+assert queue.maybe_finalize_async_calls(blocking=False) == [0] and done == ["ours", "megatron's line"], done
+queue.schedule_async_request(AsyncRequest(None, (), [lambda: done.append("stock")]))  # keeps the stock caller
+assert queue.maybe_finalize_async_calls(blocking=False) == [1] and done[-1] == "stock", done
+late = Future()
+queue.schedule_async_request(AsyncRequest(None, (late,), [lambda: done.append("late")]))
+timer = threading.Timer(0.2, late.set_result, (None,))
+timer.daemon = True
+timer.start()
+assert queue.maybe_finalize_async_calls(blocking=True) == [2] and done[-1] == "late", done  # waits for it
+print("ok")
+"""
+
+
+def test_async_save_is_finalized_once_its_commit_is_done(tmp_path):
+    """With --async-save, Megatron finalizes our request (our wait, then its "successfully saved" line) only once
+    the snapshot's commit is done, not at the next iteration's start while it still runs (real AsyncCallsQueue)."""
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", ASYNC_FINALIZE, str(tmp_path / "store")], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

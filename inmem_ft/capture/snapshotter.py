@@ -137,11 +137,12 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(**fields)
 
-    def save(self, step: int, state, *, overlap: bool = False, topology: Topology | None = None) -> None:
+    def save(self, step: int, state, *, overlap: bool = False, topology: Topology | None = None) -> Future:
         """Snapshot `state` as of now. Returns once its bytes are out of device memory, or with `overlap`
         at once: the copy then runs behind training and fence() must be called before the state changes
         (see fence_optimizer). `topology`: the layout record stored with it (default: this job's world and
-        data-parallel sizes, framework 'pytorch')."""
+        data-parallel sizes, framework 'pytorch'). Returns its commit: done once the step's vote is in (see
+        wait_for)."""
         t0 = time.perf_counter()
         self.wait()
         plan, reused, flat, target, reply, work, error, fatal = None, False, None, None, None, None, None, False
@@ -179,11 +180,12 @@ class Snapshotter:
         written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work) \
             if error is None else None
         # Submitted even after an error: every rank must take part in the step's agreement.
-        self._pending = self._pool.submit(self._finish, step, written, error)
+        self._pending = commit = self._pool.submit(self._finish, step, written, error)
         if fatal:
             with contextlib.suppress(Exception):
                 self.wait()  # the vote first, so no other rank waits for this one
             raise error
+        return commit
 
     def _begin_and_copy(self, step: int, flat, plan, overlap: bool):
         if overlap and self._reserved:
@@ -309,6 +311,12 @@ class Snapshotter:
         except InmemFTError:
             if self.config.on_error == "raise":
                 raise
+
+    def wait_for(self, commit: Future) -> None:
+        """wait() for the snapshot whose commit save() returned, if it is still the last one; an older one
+        was waited for (and its error raised or logged) by the save() after it."""
+        if commit is self._pending:
+            self.wait()
 
     def _attach(self, name: str, inode: int | None = None) -> _Attached:
         """The mapping of segment `name` whose inode is `inode` (default: the one now under that name). A

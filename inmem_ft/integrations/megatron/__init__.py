@@ -164,6 +164,10 @@ def install(args) -> Handle | None:
     if args.ckpt_assume_constant_structure:
         patch.validate_structure_once()
     patch.register_safe_classes(args)
+    patch.finalize_when_committed()
+    from .manager import InmemCheckpointManager
+
+    patch.snapshot_without_save_checkpoint(InmemCheckpointManager)
     handle = Handle(args, block)
     patch.around_load(handle._before_load, handle._after_load)
     return handle

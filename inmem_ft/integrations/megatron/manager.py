@@ -15,6 +15,7 @@ only translates (megatron.training.checkpointing, 0.19.2, MEGATRON.md section 1)
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from operator import attrgetter
@@ -162,15 +163,15 @@ class InmemCheckpointManager:
         tree = to_tree(tasd, deduplicated=self._deduplicated, extra_specs=self._extra_specs,
                        described=self._described)
         # overlap: the copy runs behind the next forward/backward; the optimizer step fences (see patch.py).
-        self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(iteration))
+        commit = self.snap.save(int(iteration), tree, overlap=True, topology=self._topology(iteration))
         if not is_async:
             return None
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-        # No worker process (async_fn None): Megatron runs the finalize functions at a later
-        # maybe_finalize_async_save, by when the commit has usually finished; wait() raises if it failed
-        # and on_error is 'raise'.
-        return AsyncRequest(None, (), [self.snap.wait])
+        # No worker process (async_fn None): the commit thread does the work, and Megatron finalizes the
+        # request once that commit is done on every rank (patch.finalize_when_committed); wait_for raises
+        # if it failed and on_error is 'raise'.
+        return AsyncRequest(None, (commit,), [functools.partial(self.snap.wait_for, commit)])
 
     # ---- load ---------------------------------------------------------------------------------------------
     def find_latest(self) -> int:

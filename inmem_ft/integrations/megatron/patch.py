@@ -73,6 +73,111 @@ def validate_structure_once() -> None:
     tensor_aware_state_dict.save_preprocess = once
 
 
+def finalize_when_committed() -> None:
+    """With --async-save Megatron finalizes a save (its finalize functions, then its "successfully saved" line)
+    once the save's caller reports it done on every rank, which it asks at the start of every iteration. A
+    request without a worker process (`async_fn` None: ours, whose commit thread does the work) it reports done
+    at once, so our finalize, which waits for the commit, blocked the next iteration for all of it (the copy,
+    checksums, the SMP commit, the job-wide vote: 0.05-0.35 s a snapshot here). A request without `async_fn`
+    whose one argument is a Future (the commit, manager.save) gets a caller that reports done when that commit
+    is, through the same all-reduce as the stock callers; the queue's other requests keep theirs."""
+    from concurrent.futures import Future, wait
+
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    class CommitCaller(async_utils.AsyncCaller):
+        def __init__(self, commit: Future):
+            self.commit = commit
+
+        def schedule_async_call(self, async_req) -> None:
+            pass  # already running on the commit thread
+
+        def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+            if blocking:
+                wait([self.commit])
+            alive = int(not self.commit.done())
+            return not alive if no_dist else bool(self.sync_all_async_calls(alive))
+
+        def close(self, abort: bool = False) -> None:
+            pass  # no process to join: the Snapshotter's close() waits for the commit
+
+        def __del__(self):
+            pass
+
+    schedule = async_utils.AsyncCallsQueue.schedule_async_request
+
+    @functools.wraps(schedule)
+    def scheduled(self, async_request):
+        args = async_request.async_fn_args
+        if async_request.async_fn is not None or len(args) != 1 or not isinstance(args[0], Future):
+            return schedule(self, async_request)
+        self.call_idx += 1
+        self.async_calls.append(async_utils._ActiveAsyncRequest(self.call_idx, CommitCaller(args[0]),
+                                                                async_request.freeze()))
+        return self.call_idx
+
+    async_utils.AsyncCallsQueue.schedule_async_request = scheduled
+
+
+def snapshot_without_save_checkpoint(manager_type) -> None:
+    """pretrain() makes its non-persistent saves, ours, through save_checkpoint_and_time, which wraps the save in
+    what a checkpoint written to storage needs: it stops and restarts its interval timer behind a job-wide
+    barrier, all-gathers the save's time over the ranks to log it, reports memory, prints. Those collectives
+    cost 5-20 ms a snapshot on the benchmark box, more than building the state; a snapshot needs none of them
+    (the Snapshotter votes on its commit thread). So a non-persistent save with `manager_type` in the context
+    builds the same tensor-aware state dict as 0.19.2's save_checkpoint does for 'local' checkpoints (the same
+    Megatron calls, in the same order, with the same groups) and hands it to that manager. Persistent saves,
+    and any other caller of save_checkpoint, stay stock."""
+    from megatron.core import mpu
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.core.utils import unwrap_model
+    from megatron.training import checkpointing, get_args, training
+
+    stock = training.save_checkpoint_and_time
+
+    @functools.wraps(stock)
+    def wrapped(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                checkpointing_context, non_persistent_ckpt=False, train_data_iterator=None):
+        args = get_args()
+        manager = (checkpointing_context or {}).get("local_checkpoint_manager")
+        if not (non_persistent_ckpt and args.non_persistent_ckpt_type == "local" and isinstance(manager, manager_type)):
+            return stock(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                         checkpointing_context, non_persistent_ckpt, train_data_iterator)
+        if training.should_disable_forward_pre_hook(args):  # as save_checkpoint_and_time: gathered params
+            training.force_param_sync(model, optimizer=optimizer)
+        pgc = getattr(unwrap_model(model)[0], "pg_collection", None)
+        tp_group = getattr(pgc, "tp", None) or mpu.get_tensor_model_parallel_group()
+        pp_group = getattr(pgc, "pp", None) or mpu.get_pipeline_model_parallel_group()
+        dp_group = getattr(pgc, "dp", None)
+        dp_cp_group = getattr(pgc, "dp_cp_gtp_remat", None)
+        rng_state = checkpointing.get_rng_state(args.ckpt_format, tp_group, pp_group, dp_cp_group=dp_cp_group,
+                                                dp_group=dp_group,
+                                                key_prefix=getattr(unwrap_model(model)[0], "rng_state_key_prefix", ""))
+        rerun_state = get_rerun_state_machine().state_dict(data_iterator=train_data_iterator,
+                                                            ckpt_format=args.ckpt_format)
+        checkpointing.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None),
+                                                  tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
+        metadata = checkpointing._build_sharded_state_dict_metadata(args, dp_cp_group=dp_cp_group)
+        if metadata.get("distrib_optim_sharding_type") in ("fully_reshardable", "dp_zero_gather_scatter"):
+            raise RuntimeError(f"Local checkpointing does not support optimizer sharding type "
+                               f"'{metadata['distrib_optim_sharding_type']}'. Don't use "
+                               f"'--dist-ckpt-optim-fully-reshardable' when saving local checkpoints.")
+        state_dict = checkpointing.generate_state_dict(args, unwrap_model(model), optimizer, opt_param_scheduler,
+                                                       rng_state, iteration=iteration,
+                                                       optim_sd_kwargs=dict(metadata=metadata),
+                                                       model_sd_kwargs=dict(metadata=metadata), rerun_state=rerun_state)
+        state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+        cached = checkpointing_context.get("local_checkpoint_cache") if args.ckpt_assume_constant_structure else None
+        tasd, cacheable = MCoreTensorAwareStateDict.from_state_dict(
+            state_dict, algo=args.non_persistent_local_ckpt_algo, cached_metadata=cached,
+            parallelization_group=dp_cp_group or mpu.get_data_parallel_group(with_context_parallel=True))
+        manager.save(tasd, iteration, is_async=False)  # the commit thread finishes it: nothing to finalize
+        checkpointing_context["local_checkpoint_cache"] = cacheable
+
+    training.save_checkpoint_and_time = wrapped
+
+
 def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
     load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
