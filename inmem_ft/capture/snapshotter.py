@@ -294,8 +294,9 @@ class Snapshotter:
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
 
-    def agree_min(self, value: int) -> int:
-        """Collective over the whole job: the smallest `value` of all ranks (for restart decisions)."""
+    def agree_min(self, value: int | list[int]) -> int | list[int]:
+        """Collective over the whole job: the smallest `value` of all ranks (for restart decisions); of a list,
+        the smallest of each element, in one round."""
         return self._agree.min(value)
 
     def wait(self) -> None:
