@@ -99,7 +99,7 @@ class Fragments:
         t_pos = np.concatenate(([0], np.cumsum(t_hi - t_lo)[:-1]))
         filled = 0
         for i in rows:
-            r_lo, r_hi = self._byte_runs(i)
+            r_lo, r_hi = self.runs(i)
             if not len(r_lo):
                 continue
             r_pos = np.concatenate(([0], np.cumsum(r_hi - r_lo)[:-1]))
@@ -120,7 +120,8 @@ class Fragments:
             raise CatalogHole(f"global tensor {key!r} is not in the catalog")
         return rows
 
-    def _byte_runs(self, i: int):
+    def runs(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """catalog.byte_runs of row i, computed once (the catalog's check and every read of the row use them)."""
         if i not in self._runs:
             self._runs[i] = byte_runs(self.cols, i)
         return self._runs[i]
