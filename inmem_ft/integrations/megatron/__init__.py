@@ -31,8 +31,9 @@ class Restored:
     step: int
     tier: str  # "memory" | "peer reconstruction" | "memory resharded"
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
-    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout, to
-    # open its catalog and to read this rank's share
+    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout (and,
+    # when every rank could, to open its catalog: `open` is then part of `restore_attempt`), and to read this
+    # rank's share
 
 
 class Handle:
@@ -58,19 +59,27 @@ class Handle:
         self.manager = InmemCheckpointManager(
             self.snap, self.args.non_persistent_local_ckpt_dir, self.layout.topology,
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
-            extra_specs=self._extra_specs, reshard=self._reshard if self.block.reshard == "auto" else None)
+            extra_specs=self._extra_specs, **({"reshard": self._reshard, "other": self._open_other}
+                                              if self.block.reshard == "auto" else {}))
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
 
-    def _reshard(self):
-        """The newest snapshots are of another layout (`reshard: auto`): open them for this rank (collective)."""
+    def _open_other(self):
+        """This rank's open of the newest snapshots of another layout, during the restore (see Restorer)."""
+        from ...universal.reshard import open_newest
+
+        return open_newest(self.snap.config.socket_path, self.layout.topology(0), self.snap.config.node)
+
+    def _reshard(self, opened):
+        """The newest snapshots are of another layout (`reshard: auto`): what the restore opened of them when
+        every rank opened the same step, else open them now (collective)."""
         from ...universal.reshard import open_memory
         from .reshard import ReshardedLoad
 
         config = self.snap.config
         self._setup_s["restore_attempt"] = round(time.perf_counter() - self.manager.restore_t0, 4)
-        rs = open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
+        rs = opened or open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
         return ReshardedLoad(rs, self.layout, self.snap.agree_min)
 
     def _after_load(self, model, optimizer, iteration: int) -> None:
