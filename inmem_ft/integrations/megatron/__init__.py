@@ -31,9 +31,8 @@ class Restored:
     step: int
     tier: str  # "memory" | "peer reconstruction" | "memory resharded"
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
-    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout (and,
-    # when every rank could, to open its catalog: `open` is then part of `restore_attempt`), and to read this
-    # rank's share
+    phases: dict | None = None  # resharded: seconds to set up, to find the snapshots are of another layout, to
+    # open its catalog (within the restore attempt when every rank could) and to read this rank's share
 
 
 class Handle:
@@ -78,7 +77,8 @@ class Handle:
         from .reshard import ReshardedLoad
 
         config = self.snap.config
-        self._setup_s["restore_attempt"] = round(time.perf_counter() - self.manager.restore_t0, 4)
+        attempt = time.perf_counter() - self.manager.restore_t0  # the listing and agreement, less the open in it
+        self._setup_s["restore_attempt"] = round(attempt - (opened.seconds["open"] if opened else 0.0), 4)
         rs = opened or open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
         return ReshardedLoad(rs, self.layout, self.snap.agree_min)
 
