@@ -85,15 +85,15 @@ class Restorer:
         listing = snap._smp.call("list", rank=snap.rank)
         local = self._own_layout(self._candidates(listing["slots"]))
         clock.mark("list")
-        opened = self._open_other(local)
+        opened, kept = self._open_other(local), None
         try:
             rows = self._gather_candidates(local, listing, opened)
         except LayoutChanged as e:
-            if e.opened is None and opened is not None:
-                opened.close()
+            kept = e.opened
             raise
-        if opened is not None:
-            opened.close()
+        finally:
+            if opened is not None and opened is not kept:
+                opened.close()
         clock.mark("agree")
         # A rank that landed on another node than its snapshots (a re-queue, a replacement node) finds them on
         # the other SMPs, or in parity, and has its own SMP install them; then everyone looks again.
