@@ -31,11 +31,13 @@ class LayoutMismatch(InmemFTError):
 
 class LayoutChanged(LayoutMismatch):
     """The newest snapshots in memory were taken on another parallel layout than this job's; `step` is the
-    newest such step. An adapter that reshards catches it; everyone else sees a LayoutMismatch."""
+    newest such step. An adapter that reshards catches it; everyone else sees a LayoutMismatch. `opened`: what
+    the restore's `other` hook opened of them on this rank, when every rank opened the same step (the
+    restore's agreement settled it), else None."""
 
-    def __init__(self, message: str, step: int):
+    def __init__(self, message: str, step: int, opened=None):
         super().__init__(message)
-        self.step = step
+        self.step, self.opened = step, opened
 
 
 class UnsafeType(InmemFTError, TypeError):

@@ -17,12 +17,13 @@ class Agreement:
         else:
             self.group, self.rank, self.world_size = None, 0, 1
 
-    def min(self, value: int) -> int:
+    def min(self, value: int | list[int]) -> int | list[int]:
+        """The smallest `value` of all ranks; of a list, the smallest of each element (one round for all)."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor(value, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return t.tolist()
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (same length on all ranks), indexed by rank."""

@@ -72,10 +72,12 @@ class _Clock:
 class Restorer:
     """The restore protocol of one Snapshotter (its SMP client, agreement group and slot mappings)."""
 
-    def __init__(self, snap, layout: Topology | None = None):
+    def __init__(self, snap, layout: Topology | None = None, other=None):
         """layout: this job's parallel layout; slots taken on another are not restored as they are (default:
-        only the world size is compared)."""
-        self.snap, self.layout = snap, layout
+        only the world size is compared). other(): opens, on this rank alone, the newest snapshots of another
+        layout (an object with `step` and `close()`); tried before the ranks agree when this rank's newest slot
+        is of another layout, so that the one agreement also settles what a reshard opens (LayoutChanged.opened)."""
+        self.snap, self.layout, self._other = snap, layout, other
         self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
     def restore(self, views: bool = False):
@@ -83,7 +85,15 @@ class Restorer:
         listing = snap._smp.call("list", rank=snap.rank)
         local = self._own_layout(self._candidates(listing["slots"]))
         clock.mark("list")
-        rows = self._gather_candidates(local, listing)
+        opened, kept = self._open_other(local), None
+        try:
+            rows = self._gather_candidates(local, listing, opened)
+        except LayoutChanged as e:
+            kept = e.opened
+            raise
+        finally:
+            if opened is not None and opened is not kept:
+                opened.close()
         clock.mark("agree")
         # A rank that landed on another node than its snapshots (a re-queue, a replacement node) finds them on
         # the other SMPs, or in parity, and has its own SMP install them; then everyone looks again.
@@ -146,22 +156,35 @@ class Restorer:
                 self._foreign = c
         return own
 
-    def _gather_candidates(self, local: list[_Candidate], listing: dict) -> list[list[int]]:
+    def _open_other(self, local: list[_Candidate]):
+        """What `other` opens, when this rank's newest slot is of another layout; None if it fails (the
+        adapter's own collective open then says why, on every rank)."""
+        if self._other is None or self._foreign is None or any(c.step >= self._foreign.step for c in local):
+            return None
+        try:
+            return self._other()
+        except Exception as e:  # every rank must take part in the agreement that follows
+            log.info("restore rank=%d event=other_layout_unopened: %s", self.snap.rank, e)
+            return None
+
+    def _gather_candidates(self, local: list[_Candidate], listing: dict, opened=None) -> list[list[int]]:
         """Every rank's steps of this layout (two, padded), its newest step of another layout, the newest step
-        its SMP knows the job completed, whether its SMP holds snapshots of any rank, and the world size of
-        that other layout's snapshot. Raises LayoutChanged when the newest snapshots are of another layout."""
+        its SMP knows the job completed, whether its SMP holds snapshots of any rank, the world size of that
+        other layout's snapshot, and the step `other` opened. Raises LayoutChanged when the newest snapshots
+        are of another layout."""
         snap, other = self.snap, self._foreign
         steps = [c.step for c in local][:2]
         known = NO_STEP if listing.get("complete_step") is None else int(listing["complete_step"])
         rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [
             other.step if other else NO_STEP, known, int(listing.get("holds_any", False)),
-            other.manifest["world_size"] if other else 0])
+            other.manifest["world_size"] if other else 0, opened.step if opened is not None else NO_STEP])
         foreign = max(row[2] for row in rows)
         if foreign != NO_STEP:
             complete = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
             # Older than what this layout completed (stale slots of an earlier layout): not what to resume.
             if foreign > max(complete, default=NO_STEP) and foreign >= max(row[3] for row in rows):
-                raise LayoutChanged(self._changed(rows, foreign), foreign)
+                settled = rows[0][6] != NO_STEP and all(row[6] == rows[0][6] for row in rows)
+                raise LayoutChanged(self._changed(rows, foreign), foreign, opened if settled else None)
         return rows
 
     def _changed(self, rows: list[list[int]], step: int) -> str:

@@ -296,8 +296,9 @@ class Snapshotter:
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
 
-    def agree_min(self, value: int) -> int:
-        """Collective over the whole job: the smallest `value` of all ranks (for restart decisions)."""
+    def agree_min(self, value: int | list[int]) -> int | list[int]:
+        """Collective over the whole job: the smallest `value` of all ranks (for restart decisions); of a list,
+        the smallest of each element, in one round."""
         return self._agree.min(value)
 
     def wait(self) -> None:
@@ -332,17 +333,17 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self, layout: Topology | None = None, views: bool = False):
+    def restore(self, layout: Topology | None = None, views: bool = False, other=None):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
-        another layout than `layout` (default: another world size).
+        another layout than `layout` (default: another world size); `other`: see Restorer.
 
         The state's tensors are private copies; with `views`, most of them view the slots in shared memory
         instead (no copy): the caller must not write into them and must copy out what it keeps before the
         next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`."""
         self.wait()
-        return Restorer(self, layout).restore(views)
+        return Restorer(self, layout, other).restore(views)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""

@@ -138,10 +138,12 @@ def leaf_key(manifest: dict, i: int) -> str:
     return f"_replicated{group}.leaf{i}"
 
 
-def coverage(table: pa.Table) -> list[dict]:
+def coverage(table: pa.Table | dict, runs=None) -> list[dict]:
     """Per key: {key, dtype, global_shape, numel, main_rows, rows, hole}; `hole` says which elements the main
-    fragments miss or hold twice (None when they cover the tensor exactly)."""
-    cols = table.to_pydict()
+    fragments miss or hold twice (None when they cover the tensor exactly). `table`: a catalog table or its
+    columns (Table.to_pydict); `runs(i)`: byte_runs of row i, from a reader that keeps them for its reads."""
+    cols = table.to_pydict() if isinstance(table, pa.Table) else table
+    runs = runs or (lambda i: byte_runs(cols, i))
     by_key: dict[str, list[int]] = {}
     for i, key in enumerate(cols["key"]):
         by_key.setdefault(key, []).append(i)
@@ -157,14 +159,14 @@ def coverage(table: pa.Table) -> list[dict]:
         if gs is None or len(dtypes) > 1:
             info["hole"] = f"fragments disagree on the global shape or dtype ({sorted(shapes)}, {sorted(dtypes)})"
         else:
-            info["hole"] = _hole(gs, [byte_runs(cols, i) + (i,) for i in main], cols)
+            info["hole"] = _hole(gs, [runs(i) + (i,) for i in main], cols)
         out.append(info)
     return out
 
 
-def check(table: pa.Table) -> list[dict]:
+def check(table: pa.Table | dict, runs=None) -> list[dict]:
     """coverage(), raising CatalogHole for the first global tensor the main fragments do not cover exactly."""
-    info = coverage(table)
+    info = coverage(table, runs)
     bad = [c for c in info if c["hole"]]
     if bad:
         more = f" (and {len(bad) - 1} more keys)" if len(bad) > 1 else ""

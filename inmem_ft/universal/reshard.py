@@ -78,52 +78,65 @@ class Resharding:
 
 
 def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = None) -> Resharding:
-    """Collective over the new job (`agree_min(int) -> the smallest of every rank's`): the old layout's newest
-    step every old rank holds, the same on every new rank. `node`: this rank's node, whose copies it reads
-    first. Raises on every rank when some rank cannot open it."""
+    """Collective over the new job (`agree_min(values) -> the smallest of every rank's, elementwise`): the old
+    layout's newest step every old rank holds, the same on every new rank. `node`: this rank's node, whose
+    copies it reads first. Raises on every rank when some rank cannot open it.
+
+    Every rank opens the step its own listing names before the ranks agree, so one round settles both the
+    step and that every rank could open it; only ranks whose listings differ (a node unreachable from some
+    SMPs) take a second, to open the oldest step any rank named."""
     t0 = time.perf_counter()
-    mine, error = NO_STEP, None
+    listing, mine, error = None, None, None
     try:
         listing = _listing(socket_path)
-        key, mine = _newest_old(listing, new)
+        mine = _open(socket_path, listing, new, node)
     except Exception as e:  # every rank must take part in the agreement below, whatever went wrong
         error = e
-    step = agree_min(mine)
-    if step == NO_STEP:
+    step = mine.step if mine is not None else NO_STEP
+    low, high = agree_min([step, -step])
+    high = -high
+    if low != NO_STEP and low != high:
+        if mine is not None and mine.step != low:
+            mine.close()
+            mine = None
+            try:
+                mine = _open(socket_path, listing, new, node, step=low)
+            except Exception as e:
+                error = e
+        low = agree_min(low if mine is not None else NO_STEP)
+    if low == NO_STEP:
+        if mine is not None:
+            mine.close()
         raise error or InmemFTError("another rank of the job could not open the old layout's snapshots (its log "
                                     "says why); nothing was changed")
-
-    def open_step():
-        return _resharding(MemorySource(socket_path, step, node=node, listing=listing,
-                                        accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key),
-                           new, t0)
-    return agreed(agree_min, open_step)
+    mine.seconds["open"] = round(time.perf_counter() - t0, 4)
+    return mine
 
 
-def agreed(agree_min, open_fn) -> Resharding:
-    """open_fn() on every rank of the job; raises on every rank when it failed on one, since nothing collective
-    may follow a failure only some ranks saw."""
-    value, error = None, None
-    try:
-        value = open_fn()
-    except Exception as e:
-        error = e
-    if not agree_min(int(error is None)):
-        if value is not None:
-            value.close()
-        raise error or InmemFTError("another rank of the job could not open the old layout's state (its log says "
-                                    "why); nothing was changed")
-    return value
+def open_newest(socket_path: str, new: Topology, node: int | None = None) -> Resharding:
+    """This rank's open of the old layout's newest step every old rank holds, agreeing with no one: for a
+    restore that settles, in the agreement it holds anyway, that every rank opened the same step
+    (Snapshotter.restore's `other`); open_memory otherwise."""
+    t0 = time.perf_counter()
+    rs = _open(socket_path, _listing(socket_path), new, node)
+    rs.seconds["open"] = round(time.perf_counter() - t0, 4)
+    return rs
 
 
-def _resharding(source: MemorySource, new: Topology, t0: float) -> Resharding:
+def _open(socket_path: str, listing: dict, new: Topology, node: int | None, step: int | None = None) -> Resharding:
+    """The old layout's newest step every old rank holds in `listing` (or `step`), opened for this rank."""
+    key, step = _newest_old(listing, new, step)
+    return _resharding(MemorySource(socket_path, step, node=node, listing=listing,
+                                    accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key), new)
+
+
+def _resharding(source: MemorySource, new: Topology) -> Resharding:
     try:
         per_rank = per_rank_source(source, new)
     except BaseException:
         source.close()
         raise
-    return Resharding(source, Topology.from_json(source.topology), new, per_rank,
-                      {"open": round(time.perf_counter() - t0, 4)})
+    return Resharding(source, Topology.from_json(source.topology), new, per_rank)
 
 
 def _listing(socket_path: str) -> dict:
@@ -134,8 +147,8 @@ def _listing(socket_path: str) -> dict:
         client.close()
 
 
-def _newest_old(listing: dict, new: Topology) -> tuple[tuple, int]:
-    """(layout key, step) of the newest step every rank of some other layout holds."""
+def _newest_old(listing: dict, new: Topology, step: int | None = None) -> tuple[tuple, int]:
+    """(layout key, step) of the newest step every rank of some other layout holds (or of `step`)."""
     groups: dict[tuple, list] = {}
     for e in listing["entries"]:
         key = layout_key(e["manifest"].get("topology", {}))
@@ -144,12 +157,12 @@ def _newest_old(listing: dict, new: Topology) -> tuple[tuple, int]:
     best, why = None, []
     for key, entries in groups.items():
         try:
-            step = catalog.complete_step(entries)
+            held = catalog.complete_step(entries, step)
         except StepIncomplete as e:
             why.append(str(e))
             continue
-        if best is None or step > best[1]:
-            best = (key, step)
+        if best is None or held > best[1]:
+            best = (key, held)
     if best is None:
         lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
         raise StepIncomplete(f"no step of another layout is held for all its ranks, so there is nothing to reshard "

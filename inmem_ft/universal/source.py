@@ -37,11 +37,11 @@ class MemorySource:
                 lost = "; ".join(f"node {u['node']}: {u['error']}" for u in listing["unreachable"])
                 raise StepIncomplete(f"{e}{f' (unreachable: {lost})' if lost else ''}") from None
             self.table = catalog.fragments(entries, self.step, node)
-            catalog.check(self.table)
+            self.fragments = Fragments(self.table)
+            catalog.check(self.fragments.cols, self.fragments.runs)
         except BaseException:
             self.client.close()
             raise
-        self.fragments = Fragments(self.table)
         self.read = self.client.read
         if node is not None and isinstance(slots, str):  # this node's slots straight from shared memory
             self._local = LocalReads(node, catalog.select(entries, self.step, node), self.client.read)

@@ -21,7 +21,7 @@ from ...errors import ConfigError, LayoutChanged
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
-from ...universal.reshard import open_memory
+from ...universal.reshard import open_memory, open_newest
 from . import reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
@@ -177,15 +177,15 @@ class Handle:
     # ---- restoring ----------------------------------------------------------------------------------------
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
-        t0 = time.perf_counter()
+        t0, config = time.perf_counter(), self.snap.config
         try:
             # views: the engine copies what it keeps (_load_memory)
-            state = self.snap.restore(layout=self._layout(), views=True)
-        except LayoutChanged:
+            state = self.snap.restore(layout=self._layout(), views=True, other=None if self.block.reshard == "never"
+                                      else lambda: open_newest(config.socket_path, self._layout(), config.node))
+        except LayoutChanged as e:
             if self.block.reshard == "never":
                 raise
-            config = self.snap.config
-            return self._finish(self._load_resharded(lambda: open_memory(
+            return self._finish(self._load_resharded(lambda: e.opened or open_memory(
                 config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
         if state is not None:
             return self._finish(self._load_memory(state), t0)

@@ -14,6 +14,7 @@ driven by `--inmem-ft-interval` through Megatron's non-persistent save interval.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -32,7 +33,8 @@ class Restored:
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
     phases: dict | None = None  # seconds per phase: to set up (snapshotter, layout: before `seconds` starts),
     # then from memory the restore's (RestoreInfo.phases) and megatron_load; resharded: to find the snapshots
-    # are of another layout, to open its catalog and to read this rank's share
+    # are of another layout, to open its catalog (within the restore attempt when every rank could) and to
+    # read this rank's share
 
 
 class Handle:
@@ -67,7 +69,8 @@ class Handle:
         self.manager = InmemCheckpointManager(
             self.snap, self.args.non_persistent_local_ckpt_dir, self.layout.topology,
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
-            extra_specs=self._extra_specs, reshard=self._reshard if self.block.reshard == "auto" else None)
+            extra_specs=self._extra_specs, **({"reshard": self._reshard, "other": self._open_other}
+                                              if self.block.reshard == "auto" else {}))
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
@@ -75,14 +78,22 @@ class Handle:
         inner = [o.optimizer for o in chained if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
         return PrivateAfterLoad(self.snap, inner, unwrap_model(model), defer=True)  # not DDP: its .buffers is a list
 
-    def _reshard(self):
-        """The newest snapshots are of another layout (`reshard: auto`): open them for this rank (collective)."""
+    def _open_other(self):
+        """This rank's open of the newest snapshots of another layout, during the restore (see Restorer)."""
+        from ...universal.reshard import open_newest
+
+        return open_newest(self.snap.config.socket_path, self.layout.topology(0), self.snap.config.node)
+
+    def _reshard(self, opened):
+        """The newest snapshots are of another layout (`reshard: auto`): what the restore opened of them when
+        every rank opened the same step, else open them now (collective)."""
         from ...universal.reshard import open_memory
         from .reshard import ReshardedLoad
 
         config = self.snap.config
-        self._setup_s["restore_attempt"] = round(time.perf_counter() - self.manager.restore_t0, 4)
-        rs = open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
+        attempt = time.perf_counter() - self.manager.restore_t0  # the listing and agreement, less the open in it
+        self._setup_s["restore_attempt"] = round(attempt - (opened.seconds["open"] if opened else 0.0), 4)
+        rs = opened or open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
         return ReshardedLoad(rs, self.layout, self.snap.agree_min)
 
     def _after_load(self, model, optimizer, iteration: int) -> None:
@@ -143,6 +154,11 @@ def install(args) -> Handle | None:
 
     block = block_from_args(args)
     patch.check_version()
+    # What the load runs is imported here, at startup, as Megatron imports its own checkpointing code: inside
+    # load_checkpoint these imports (the resharding loader's pyarrow above all) took every rank at once
+    # 0.1-1.3 s of the resume.
+    for module in ("layout", "reshard") if block.reshard == "auto" else ("layout",):
+        importlib.import_module(f"{__name__}.{module}")
     if args.non_persistent_ckpt_type is not None:
         raise ConfigError(f"--inmem-ft replaces --non-persistent-ckpt-type (got {args.non_persistent_ckpt_type!r}); "
                           f"drop one of them")

@@ -145,13 +145,14 @@ class InmemCheckpointManager:
     """find_latest / save / load, as Megatron calls nvidia-resiliency-ext's LocalCheckpointManager."""
 
     def __init__(self, snap: Snapshotter, local_ckpt_dir: str, topology, *, deduplicated: bool,
-                 extra_specs=lambda sh: (), reshard=None):
+                 extra_specs=lambda sh: (), reshard=None, other=None):
         """topology(iteration) -> the Topology record of a snapshot (also this job's layout, which restore
-        compares); extra_specs: see to_tree; reshard() -> a ReshardedLoad of the newest snapshots of another
-        layout (collective), or None to keep the LayoutChanged error."""
+        compares); extra_specs: see to_tree; reshard(opened) -> a ReshardedLoad of the newest snapshots of
+        another layout (collective; `opened`: LayoutChanged.opened), or None to keep the LayoutChanged error;
+        other: the restore's hook that opens them (Snapshotter.restore)."""
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
-        self._reshard = reshard
+        self._reshard, self._other = reshard, other
         self._restored: dict | None = None
         self.resharded = None  # the ReshardedLoad, when the snapshot was of another layout
         self._described = Described()  # to_tree's, kept across saves
@@ -181,11 +182,11 @@ class InmemCheckpointManager:
             self.restore_t0 = time.perf_counter()
             try:
                 # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad.
-                self._restored = self.snap.restore(layout=self._topology(0), views=True)
-            except LayoutChanged:
+                self._restored = self.snap.restore(layout=self._topology(0), views=True, other=self._other)
+            except LayoutChanged as e:
                 if self._reshard is None:
                     raise
-                self.resharded = self._reshard()
+                self.resharded = self._reshard(e.opened)
         if self.resharded is not None:
             return self.resharded.rs.step
         return self.snap.last_restore.step if self._restored is not None else NONE
