@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from conftest import wait_for_log
+from conftest import flip_in_largest_region, wait_for_log
+from inmem_ft.capture.verdict import SMALL
 from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp import control
 from inmem_ft.telemetry import read_losses
 
 STEPS, INTERVAL = 12, 2
@@ -81,6 +83,39 @@ def test_kill_rank_resumes_from_memory_bit_identical(cluster, runtime, tmp_path_
     ref = reference(stage, dtype, tmp_path_factory)
     attempt = crash_and_resume(cluster, runtime, ref, stage, dtype, die_at=7, die_rank=3, first_expected=7)
     assert "step=6 source=memory" in cluster.rank_log(attempt.number, 2)
+
+
+def test_a_byte_flipped_in_the_restored_step_stops_every_rank_before_its_step_and_a_restart_resumes_older(
+        cluster, runtime, tmp_path_factory):
+    """The restore hands DeepSpeed views of step 10 and checks its large regions behind the load and the first
+    forward/backward: a byte flipped in rank 2's slot after the commit stops every rank at the first step's
+    fence with the same error (no step, no loss, no snapshot of that state), the SMP discards that slot, and
+    the restart resumes from step 8 bit-identically."""
+    stage, dtype = 3, "bf16"
+    ref = reference(stage, dtype, tmp_path_factory)
+    first = runtime / "first.jsonl"
+    run_ok(cluster, example(stage, dtype, 10, "--loss-log", first))
+    assert read_losses(first) == {s: ref[s] for s in range(1, 11)}
+    newest = control.call(cluster.socket_path(1), "list", rank=2)["slots"][0]
+    assert newest["step"] == 10
+    assert flip_in_largest_region(newest["segment"]) >= SMALL
+
+    failed = runtime / "failed.jsonl"
+    attempt = cluster.run([str(a) for a in example(stage, dtype, STEPS, "--loss-log", failed)])
+    assert not attempt.ok and all(code != 0 for code in attempt.returncodes.values())
+    assert read_losses(failed) == {}, "a step ran on the unverified state"
+    for rank in range(cluster.world_size):
+        log = cluster.rank_log(attempt.number, rank)
+        assert "step=10 source=memory" in log and "RestoreCorrupt: step 10, restored from memory, failed" in log
+        assert "Nothing was lost" in log and "event=committed" not in log
+    assert "restore rank=2 step=10 event=corrupt" in cluster.rank_log(attempt.number, 2)
+    assert "event=corrupt rank=2 step=10 " in open(cluster.smp_log(1)).read()
+
+    resumed = runtime / "resumed.jsonl"
+    attempt = run_ok(cluster, example(stage, dtype, STEPS, "--loss-log", resumed))
+    assert "step=8 source=memory" in cluster.rank_log(attempt.number, 2)
+    assert "event=verified" in cluster.rank_log(attempt.number, 2)
+    assert read_losses(resumed) == {s: ref[s] for s in range(9, STEPS + 1)}  # bit-identical
 
 
 def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical(job, runtime, tmp_path_factory):

@@ -179,8 +179,9 @@ class Handle:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
         t0 = time.perf_counter()
         try:
-            # views: the engine copies what it keeps (_load_memory)
-            state = self.snap.restore(layout=self._layout(), views=True)
+            # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run
+            # behind the load and the first forward/backward, and the wrapped step's fence takes their verdict
+            state = self.snap.restore(layout=self._layout(), views=True, defer_checks=True)
         except LayoutChanged:
             if self.block.reshard == "never":
                 raise

@@ -1,0 +1,115 @@
+"""Checksums of a restored slot off the restore's critical path, and the job's verdict on them at the fence.
+
+A restore that hands the framework views (`Snapshotter.restore(views=True, defer_checks=True)`) checks the
+small regions at once (RNG states, the user's extras, scalars: they are used before any fence) and hands the
+large ones to `DeferredChecks`, which hashes them in the background while the framework loads (where a core
+is spare for it) and while the first forward/backward runs. Until the next fence nothing the restored state
+produces can last: forward and backward write no state, and the adapters fence before every optimizer step
+and every snapshot. At that fence every rank waits for its own checks, then all ranks take one small
+all-gather of their verdicts (they all reach that fence together, as they all reach the step). A bad region
+on any rank stops every rank there with the same error, before the optimizer steps or a snapshot copies that
+state; the rank that found it tells its SMP, which discards that slot so a restart restores the next tier.
+
+Why at the fence and not while the framework loads: a rank that found a bad region inside DeepSpeed's load
+would leave the others waiting in the load's collectives; voting only at the fence, which every rank reaches
+whatever it found, never splits the ranks. Why not re-restore in-process from the next tier: by the fence the
+training loop has taken the restored step and extras (its data position) and run a forward/backward on them,
+and a ZeRO-3 engine cannot load again once it has run; a restart is the clean way back, and loses nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from ..errors import InmemFTError, SnapshotCorrupt
+from ..snapshot import segment as seg
+
+SMALL = 64 << 10  # regions below this are checked before the hand-over: microseconds, and used before a fence
+log = logging.getLogger("inmem_ft.capture")
+
+
+class RestoreCorrupt(SnapshotCorrupt):
+    """The snapshot a restore handed over failed its checksums in the background, before any optimizer step
+    or snapshot used it. Nothing was lost: a restart restores the next tier."""
+
+
+def split(todo: list, small: int = SMALL) -> tuple[list, list]:
+    """(regions to check now, regions to check in the background) of a regions() list, each in offset order."""
+    return [r for r in todo if r[1] - r[0] < small], [r for r in todo if r[1] - r[0] >= small]
+
+
+def spare_cores() -> bool:
+    """Whether this rank has a core beside the ones its node's ranks compute on. Where it has none (every core
+    runs a rank, as on a 2-core box with 2 ranks), checks beside the framework's load would only slow the load
+    that training waits for; they then start after it, behind the first forward/backward."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return len(os.sched_getaffinity(0)) > local * torch.get_num_threads()
+
+
+class DeferredChecks:
+    """The background checks of one rank's restored slot; calling it at the fence is the verdict (collective)."""
+
+    def __init__(self, snap, data, todo: list, where: str, step: int):
+        self.snap, self.data, self.todo, self.where, self.step = snap, data, todo, where, step
+        self.nbytes = sum(end - start for start, end, _, _ in todo)
+        seg.check_bounds(data, todo, where, step)  # a malformed manifest fails the restore itself, not later
+        self._futures, self._t0, self._done = None, 0.0, 0.0
+        self._lock = threading.Lock()
+        self._failed: RestoreCorrupt | None = None
+
+    def start(self) -> None:
+        if self._futures is not None:
+            return
+        self._t0 = time.perf_counter()
+        self._futures = seg.start_checks(self.data, self.todo, self.where, self.step)
+        for future in self._futures:
+            future.add_done_callback(self._finished)
+
+    def _finished(self, _future) -> None:
+        with self._lock:
+            self._done = time.perf_counter()
+
+    def __call__(self) -> None:
+        """Wait for this rank's checks, agree with every rank; raise RestoreCorrupt on every rank if any found a
+        bad region. A second call (the caller went on after the error) raises the same error, alone."""
+        if self._failed is not None:
+            raise self._failed
+        self.start()
+        t0 = time.perf_counter()
+        problem = None
+        for future in self._futures:
+            try:
+                future.result()
+            except SnapshotCorrupt as e:
+                problem = problem or e
+        waited = time.perf_counter() - t0
+        background = max(self._done, self._t0) - self._t0
+        bad = [rank for rank, (ok,) in enumerate(self.snap._agree.gather([int(problem is None)])) if not ok]
+        info = self.snap.last_restore
+        if info is not None:
+            info.phases.update(verify_background=round(background, 4), verify_wait=round(waited, 4))
+        if not bad:
+            log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f waited_s=%.3f",
+                     self.snap.rank, self.step, self.nbytes, background, waited)
+            return
+        if problem is not None:
+            log.warning("restore rank=%d step=%d event=corrupt: %s", self.snap.rank, self.step, problem)
+            try:  # so that a restart does not choose this copy again
+                self.snap._smp.call("corrupt", rank=self.snap.rank, step=self.step)
+            except InmemFTError as e:
+                log.warning("restore rank=%d step=%d event=corrupt_unreported: the SMP did not take the report "
+                            "(%s); a restart finds the bad region again and stops the same way", self.snap.rank,
+                            self.step, e)
+        found = f"this rank's copy failed its checksums ({problem})" if problem is not None else \
+            f"rank(s) {bad} found their copies corrupted (see event=corrupt in their logs)"
+        self._failed = RestoreCorrupt(
+            f"step {self.step}, restored from memory, failed its checksums in the background: {found}. Training "
+            f"stopped here, at the first optimizer step or snapshot after the restore, before either used that "
+            f"state. Nothing was lost: the SMP no longer offers the corrupted copy, and a restart of the job "
+            f"restores the next tier (the newest step intact on every rank: an older one in memory, a copy its "
+            f"peers hold, or the disk tier).")
+        raise self._failed
