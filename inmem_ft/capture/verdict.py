@@ -84,7 +84,7 @@ class DeferredChecks:
         for future in self._futures:
             try:
                 future.result()
-            except SnapshotCorrupt as e:
+            except Exception as e:  # whatever it is, the vote below must run on every rank
                 problem = problem or e
         waited = time.perf_counter() - t0
         background = max(self._done, self._t0) - self._t0
@@ -96,7 +96,7 @@ class DeferredChecks:
             log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f waited_s=%.3f",
                      self.snap.rank, self.step, self.nbytes, background, waited)
             return
-        if problem is not None:
+        if isinstance(problem, SnapshotCorrupt):
             log.warning("restore rank=%d step=%d event=corrupt: %s", self.snap.rank, self.step, problem)
             try:  # so that a restart does not choose this copy again
                 self.snap._smp.call("corrupt", rank=self.snap.rank, step=self.step)
@@ -104,8 +104,11 @@ class DeferredChecks:
                 log.warning("restore rank=%d step=%d event=corrupt_unreported: the SMP did not take the report "
                             "(%s); a restart finds the bad region again and stops the same way", self.snap.rank,
                             self.step, e)
-        found = f"this rank's copy failed its checksums ({problem})" if problem is not None else \
-            f"rank(s) {bad} found their copies corrupted (see event=corrupt in their logs)"
+            found = f"this rank's copy failed its checksums ({problem})"
+        elif problem is not None:  # not a bad region: the slot is kept
+            found = f"this rank could not check its copy ({type(problem).__name__}: {problem})"
+        else:
+            found = f"rank(s) {bad} found their copies corrupted or could not check them (see their logs)"
         self._failed = RestoreCorrupt(
             f"step {self.step}, restored from memory, failed its checksums in the background: {found}. Training "
             f"stopped here, at the first optimizer step or snapshot after the restore, before either used that "
