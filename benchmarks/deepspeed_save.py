@@ -617,7 +617,8 @@ RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums before t
                   ("DeepSpeed's load (copy into the engine)", ("engine",)),
                   ("checksums in the background", ("verify_background",)),
                   ("wait at the first step's fence", ("fence_wait",)),
-                  ("  of which for the checksums' verdict", ("verify_wait",))]
+                  ("  of which for this rank's checksums", ("verify_wait",)),
+                  ("  of which for the ranks' vote (the last rank to reach the fence)", ("verify_vote",))]
 RATIOS = ("step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
           "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
 # Rows printed even when no stage has them (with the reason), so that a missing figure is never silent.

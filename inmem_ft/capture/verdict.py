@@ -86,15 +86,17 @@ class DeferredChecks:
                 future.result()
             except Exception as e:  # whatever it is, the vote below must run on every rank
                 problem = problem or e
-        waited = time.perf_counter() - t0
-        background = max(self._done, self._t0) - self._t0
+        t1 = time.perf_counter()
+        waited, background = t1 - t0, max(self._done, self._t0) - self._t0
         bad = [rank for rank, (ok,) in enumerate(self.snap._agree.gather([int(problem is None)])) if not ok]
+        vote = time.perf_counter() - t1  # mostly waiting for the last rank to reach this fence
         info = self.snap.last_restore
         if info is not None:
-            info.phases.update(verify_background=round(background, 4), verify_wait=round(waited, 4))
+            info.phases.update(verify_background=round(background, 4), verify_wait=round(waited, 4),
+                               verify_vote=round(vote, 4))
         if not bad:
-            log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f waited_s=%.3f",
-                     self.snap.rank, self.step, self.nbytes, background, waited)
+            log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f waited_s=%.3f vote_s=%.3f",
+                     self.snap.rank, self.step, self.nbytes, background, waited, vote)
             return
         if isinstance(problem, SnapshotCorrupt):
             log.warning("restore rank=%d step=%d event=corrupt: %s", self.snap.rank, self.step, problem)
