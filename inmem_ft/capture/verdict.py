@@ -5,14 +5,16 @@ small regions at once (RNG states, the user's extras, scalars: they are used bef
 large ones to `DeferredChecks`, which hashes them in the background while the framework loads (where a core
 is spare for it) and while the first forward/backward runs. Until the next fence nothing the restored state
 produces can last: forward and backward write no state, and the adapters fence before every optimizer step
-and every snapshot. At that fence every rank waits for its own checks, then all ranks take one small
-all-gather of their verdicts (they all reach that fence together, as they all reach the step). A bad region
-on any rank stops every rank there with the same error, before the optimizer steps or a snapshot copies that
-state; the rank that found it tells its SMP, which discards that slot so a restart restores the next tier.
+and every snapshot. Once a rank's checks end, a thread of its own casts the rank's vote (one small all-gather
+over the agreement group, which nothing else uses until that fence); at the fence every rank waits for that
+vote. A bad region on any rank stops every rank there with the same error, before the optimizer steps or a
+snapshot copies that state; the rank that found it tells its SMP, which discards that slot so a restart
+restores the next tier.
 
-Why at the fence and not while the framework loads: a rank that found a bad region inside DeepSpeed's load
-would leave the others waiting in the load's collectives; voting only at the fence, which every rank reaches
-whatever it found, never splits the ranks. Why not re-restore in-process from the next tier: by the fence the
+Why the verdict is taken at the fence and not while the framework loads: a rank that found a bad region
+inside DeepSpeed's load would leave the others waiting in the load's collectives; every rank votes whatever
+it found, in a collective of its own, and acts on the verdict only at the fence, which every rank reaches,
+so the ranks never split. Why not re-restore in-process from the next tier: by the fence the
 training loop has taken the restored step and extras (its data position) and run a forward/backward on them,
 and a ZeRO-3 engine cannot load again once it has run; a restart is the clean way back, and loses nothing.
 """
@@ -51,52 +53,62 @@ def spare_cores() -> bool:
 
 
 class DeferredChecks:
-    """The background checks of one rank's restored slot; calling it at the fence is the verdict (collective)."""
+    """The background checks of one rank's restored slot and the ranks' vote on them, which a thread of its own
+    casts as soon as this rank's checks end (not at the fence: the vote then waits for the last rank's checks,
+    not for the last rank to reach the fence). Calling it at the fence is the verdict."""
 
     def __init__(self, snap, data, todo: list, where: str, step: int):
         self.snap, self.data, self.todo, self.where, self.step = snap, data, todo, where, step
         self.nbytes = sum(end - start for start, end, _, _ in todo)
         seg.check_bounds(data, todo, where, step)  # a malformed manifest fails the restore itself, not later
-        self._futures, self._t0, self._done = None, 0.0, 0.0
-        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._problem: BaseException | None = None  # this rank's: a bad region, or why it could not check
+        self._bad: list[int] | None = None  # the ranks whose checks failed; None: the vote did not finish
+        self._vote_error: BaseException | None = None
+        self._seconds, self._vote_s = 0.0, 0.0
         self._failed: RestoreCorrupt | None = None
 
     def start(self) -> None:
-        if self._futures is not None:
-            return
-        self._t0 = time.perf_counter()
-        self._futures = seg.start_checks(self.data, self.todo, self.where, self.step)
-        for future in self._futures:
-            future.add_done_callback(self._finished)
+        """Begin the checks (idempotent). The vote that follows them is a collective of the agreement group,
+        which nothing else uses between a restore and its fence: every snapshot and commit fences first."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._check_and_vote, name="inmem_ft-verdict", daemon=True)
+            self._thread.start()
 
-    def _finished(self, _future) -> None:
-        with self._lock:
-            self._done = time.perf_counter()
+    def _check_and_vote(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            seg.check_regions(self.data, self.todo, self.where, self.step)
+        except Exception as e:  # whatever it is, this rank must still vote
+            self._problem = e
+        t1 = time.perf_counter()
+        self._seconds = t1 - t0
+        try:
+            rows = self.snap._agree.gather([int(self._problem is None)])
+            self._bad = [rank for rank, (ok,) in enumerate(rows) if not ok]
+        except BaseException as e:  # raised at the fence
+            self._vote_error = e
+        self._vote_s = time.perf_counter() - t1
 
     def __call__(self) -> None:
-        """Wait for this rank's checks, agree with every rank; raise RestoreCorrupt on every rank if any found a
-        bad region. A second call (the caller went on after the error) raises the same error, alone."""
+        """Wait for this rank's checks and the vote; raise RestoreCorrupt on every rank if any rank found a bad
+        region. A second call (the caller went on after the error) raises the same error, alone."""
         if self._failed is not None:
             raise self._failed
         self.start()
         t0 = time.perf_counter()
-        problem = None
-        for future in self._futures:
-            try:
-                future.result()
-            except Exception as e:  # whatever it is, the vote below must run on every rank
-                problem = problem or e
-        t1 = time.perf_counter()
-        waited, background = t1 - t0, max(self._done, self._t0) - self._t0
-        bad = [rank for rank, (ok,) in enumerate(self.snap._agree.gather([int(problem is None)])) if not ok]
-        vote = time.perf_counter() - t1  # mostly waiting for the last rank to reach this fence
+        self._thread.join()
+        waited = time.perf_counter() - t0
+        if self._vote_error is not None:
+            raise self._vote_error
         info = self.snap.last_restore
         if info is not None:
-            info.phases.update(verify_background=round(background, 4), verify_wait=round(waited, 4),
-                               verify_vote=round(vote, 4))
+            info.phases.update(verify_background=round(self._seconds, 4), verify_vote=round(self._vote_s, 4),
+                               verify_wait=round(waited, 4))
+        problem, bad = self._problem, self._bad
         if not bad:
-            log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f waited_s=%.3f vote_s=%.3f",
-                     self.snap.rank, self.step, self.nbytes, background, waited, vote)
+            log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f vote_s=%.3f waited_s=%.3f",
+                     self.snap.rank, self.step, self.nbytes, self._seconds, self._vote_s, waited)
             return
         if isinstance(problem, SnapshotCorrupt):
             log.warning("restore rank=%d step=%d event=corrupt: %s", self.snap.rank, self.step, problem)
