@@ -14,9 +14,10 @@ restores the next tier.
 Why the verdict is taken at the fence and not while the framework loads: a rank that found a bad region
 inside DeepSpeed's load would leave the others waiting in the load's collectives; every rank votes whatever
 it found, in a collective of its own, and acts on the verdict only at the fence, which every rank reaches,
-so the ranks never split. Why not re-restore in-process from the next tier: by the fence the
-training loop has taken the restored step and extras (its data position) and run a forward/backward on them,
-and a ZeRO-3 engine cannot load again once it has run; a restart is the clean way back, and loses nothing.
+so the ranks never split. Why not re-restore in-process from the next tier: by the fence the training loop
+has taken the restored step and extras (its data position) and run a forward/backward on them, whose
+gradients the engine holds; DeepSpeed offers no clean reload of an engine in the middle of a step (install()
+already refuses a ZeRO-3 engine that trained). A restart is the clean way back, and loses nothing.
 """
 from __future__ import annotations
 
