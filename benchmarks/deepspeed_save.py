@@ -14,7 +14,8 @@ ranks (gloo, CPU, DS_ACCELERATOR=cpu), ZeRO-1 and ZeRO-3 in the same run. Per st
                             (captured through a recording engine; the capture is included)
   restore_s / disk_load_s   in a fresh process and engine: inmem_ft's restore vs engine.load_checkpoint;
                             restore_s is the install() call plus what the first optimizer step waits for
-                            (the copy-out of the optimizer state, which runs behind forward/backward)
+                            at its fence (the checksums of the large regions and the copy-out of the
+                            optimizer state, which run behind forward/backward, and the ranks' verdict)
   first_step_after_*        the first training step after each (what moved behind forward/backward shows)
   dlrover_*                 DLRover Flash Checkpoint (benchmarks/peers/dlrover_flash.py), run under its own
                             launcher dlrover-run: memory save (the whole save_checkpoint call blocks), disk
@@ -422,9 +423,10 @@ def phase_load(args) -> dict:
             restored = getattr(handle, "restored", None)
             tiers.append(str(getattr(restored, "tier", restored)))
             inner.append(getattr(restored, "seconds", None))
-            # What of the restore runs behind the first forward/backward (the copy-out of what the optimizer
-            # keeps) and what the first optimizer step still waits for: training is blocked for the call plus
-            # that wait, as for a save.
+            # What of the restore runs behind the first forward/backward (the checksums of the large regions and
+            # the copy-out of what the optimizer keeps) and what the first optimizer step still waits for at its
+            # fence (those, and the ranks' verdict on the checksums): training is blocked for the call plus that
+            # wait, as for a save.
             t1 = time.perf_counter()
             loss = engine(x)
             engine.backward(loss)
@@ -433,7 +435,9 @@ def phase_load(args) -> dict:
             wait = time.perf_counter() - t2
             engine.step()
             firsts.append(time.perf_counter() - t1)
-            phases.append({**getattr(restored, "phases", {}), "copy_out_wait": round(wait, 4)})
+            # The checks' own time in the background and their share of the wait, as the verdict recorded them.
+            deferred = {k: v for k, v in handle.snap.last_restore.phases.items() if k.startswith("verify_")}
+            phases.append({**getattr(restored, "phases", {}), **deferred, "fence_wait": round(wait, 4)})
             calls.append(call)
             waits.append(wait)
             times.append(call + wait)
@@ -443,7 +447,7 @@ def phase_load(args) -> dict:
             gc.collect()
         res["restore_s"] = slowest(statistics.median(times))
         res["restore_call_s"] = slowest(statistics.median(calls))
-        res["restore_copy_out_wait_s"] = slowest(statistics.median(waits))
+        res["restore_fence_wait_s"] = slowest(statistics.median(waits))
         res["first_step_after_restore_s"] = slowest(statistics.median(firsts))
         res["restore_tier"] = tiers[-1]
         res["restore_reported_s"] = slowest(inner[-1])
@@ -593,7 +597,7 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("inmem_commit_s", "inmem_ft commit behind training (copy, checksums, agreement)"),
         ("restore_s", "inmem_ft restore into a fresh engine (training blocked)"),
         ("restore_call_s", "  of which: install() call"),
-        ("restore_copy_out_wait_s", "  of which: first step's wait for the optimizer state's copy-out"),
+        ("restore_fence_wait_s", "  of which: first step's wait for the checksums' verdict and copy-out"),
         ("dlrover_restore_s", "DLRover restore from memory after a restart"),
         ("dlrover_restore_load_s", "  of which: its load_checkpoint"),
         ("disk_load_s", "engine.load_checkpoint from local disk"),
@@ -608,10 +612,13 @@ ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait befor
         ("restore_vs_dlrover", "restore_s / dlrover_restore_s (goal <= 1.0)"),
         ("restore_vs_dlrover_load", "  restore_s / dlrover_restore_load_s (its load alone)")]
 # The restore's phases (RestoreInfo.phases and the adapter's) under the names an operator asks about.
-RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums", ("verify", "copy_verify")),
+RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums before the hand-over", ("verify", "copy_verify")),
                   ("reads+gather of shares", ("replicated",)), ("unpack", ("unpack",)),
                   ("DeepSpeed's load (copy into the engine)", ("engine",)),
-                  ("copy-out wait at the first step", ("copy_out_wait",))]
+                  ("checksums in the background", ("verify_background",)),
+                  ("wait at the first step's fence", ("fence_wait",)),
+                  ("  of which for this rank's checksums", ("verify_wait",)),
+                  ("  of which for the ranks' vote (the last rank to reach the fence)", ("verify_vote",))]
 RATIOS = ("step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
           "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
 # Rows printed even when no stage has them (with the reason), so that a missing figure is never silent.

@@ -57,3 +57,19 @@ def wait_for_log(path, text, timeout=120):
         if time.monotonic() > deadline:
             raise AssertionError(f"{text!r} not in {path} within {timeout} s")
         time.sleep(0.1)
+
+
+def flip_in_largest_region(segment: str) -> int:
+    """Flip one bit in the middle of the largest checksummed region of committed slot `segment` (a byte gone bad
+    in shared memory after the commit); its length in bytes."""
+    from inmem_ft.smp.segments import path_of
+    from inmem_ft.snapshot import segment as seg
+
+    with open(path_of(segment), "r+b") as f:
+        header, manifest = seg.read_committed(f.read(), segment)
+        start, end, _, _ = max(seg.regions(manifest, header.data_off), key=lambda r: r[1] - r[0])
+        f.seek((start + end) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x10]))
+    return end - start

@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from conftest import wait_for_log
+from conftest import flip_in_largest_region, wait_for_log
+from inmem_ft.capture.verdict import SMALL
 from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp import control
 from inmem_ft.telemetry import read_losses
 
 STEPS, INTERVAL = 12, 2
@@ -75,12 +77,51 @@ def digests(prefix, world=4):
     return [json.loads(open(f"{prefix}.rank{r}").read()) for r in range(world)]
 
 
-# ZeRO-2 fp32's kill/resume is part of the disk-tier test below; the rest is marked slow.
+# ZeRO-3 bf16's kill/resume is the first half of the flipped-byte test below (which resumes one step older),
+# ZeRO-2 fp32's part of the disk-tier test; this and the rest are marked slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,dtype", [(3, "bf16")])
 def test_kill_rank_resumes_from_memory_bit_identical(cluster, runtime, tmp_path_factory, stage, dtype):
     ref = reference(stage, dtype, tmp_path_factory)
     attempt = crash_and_resume(cluster, runtime, ref, stage, dtype, die_at=7, die_rank=3, first_expected=7)
     assert "step=6 source=memory" in cluster.rank_log(attempt.number, 2)
+
+
+def test_a_byte_flipped_in_the_restored_step_stops_every_rank_before_its_step_and_a_restart_resumes_older(
+        cluster, runtime, tmp_path_factory):
+    """A rank is killed after step 7 (steps 4 and 6 complete), then a byte of rank 2's slot of step 6 goes bad.
+    The restore hands DeepSpeed views of step 6 and checks its large regions behind the load and the first
+    forward/backward: every rank stops at the first step's fence with the same error (no step, no loss, no
+    snapshot of that state), the SMP discards that slot, and the next restart resumes from step 4
+    bit-identically."""
+    stage, dtype = 3, "bf16"
+    ref = reference(stage, dtype, tmp_path_factory)
+    before = runtime / "before.jsonl"
+    attempt = cluster.run([str(a) for a in example(stage, dtype, STEPS, "--loss-log", before, "--die-at", 7,
+                                                   "--die-rank", 3)])
+    assert not attempt.ok and attempt.returncodes[3] == -9
+    assert read_losses(before) == {s: ref[s] for s in range(1, 8)}
+    newest = control.call(cluster.socket_path(1), "list", rank=2)["slots"][0]
+    assert newest["step"] == 6
+    assert flip_in_largest_region(newest["segment"]) >= SMALL
+
+    failed = runtime / "failed.jsonl"
+    attempt = cluster.run([str(a) for a in example(stage, dtype, STEPS, "--loss-log", failed)])
+    assert not attempt.ok
+    assert read_losses(failed) == {}, "a step ran on the unverified state"
+    for rank in range(cluster.world_size):
+        log = cluster.rank_log(attempt.number, rank)
+        assert "step=6 source=memory" in log and "event=committed" not in log
+        if attempt.returncodes[rank] != -9:  # the first rank to exit brings down the others (as torchrun does)
+            assert "RestoreCorrupt: step 6, restored from memory, failed" in log and "Nothing was lost" in log
+    assert "restore rank=2 step=6 event=corrupt" in cluster.rank_log(attempt.number, 2)
+    assert "event=corrupt rank=2 step=6 " in open(cluster.smp_log(1)).read()
+
+    resumed = runtime / "resumed.jsonl"
+    attempt = run_ok(cluster, example(stage, dtype, STEPS, "--loss-log", resumed))
+    assert "step=4 source=memory" in cluster.rank_log(attempt.number, 2)
+    assert "event=verified" in cluster.rank_log(attempt.number, 2)
+    assert read_losses(resumed) == {s: ref[s] for s in range(5, STEPS + 1)}  # bit-identical
 
 
 def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical(job, runtime, tmp_path_factory):

@@ -3,6 +3,8 @@ holding none of them: what torch's optimizer keeps is copied into the moments it
 import pytest
 import torch
 
+from conftest import flip_in_largest_region
+
 from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.views import PrivateAfterLoad
 
@@ -76,3 +78,46 @@ def test_deferred_copy_out_waits_for_the_fence(job, smp):
         assert not [t for t in got if t.untyped_storage().data_ptr() in bases]
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         snap.wait()
+
+
+def test_deferred_checks_stop_every_later_fence_on_a_flipped_byte(job, smp):
+    """With defer_checks the large regions are checked behind the load: a byte flipped in one is not seen by
+    the restore, but the next fence raises (and every one after it, and a snapshot never copies that state);
+    the SMP discards the slot, so a restart restores the older step."""
+    from inmem_ft.capture.verdict import SMALL, RestoreCorrupt
+    from inmem_ft.smp import control, paths
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)  # 256 KiB of weights: checked in the background
+    states = {}
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        for step in (1, 2):
+            model.weight.data.add_(1.0)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            snap.save(step, {"model": model.state_dict()})
+        snap.wait()
+    newest = control.call(paths.default_socket(job, 0), "list", rank=0)["slots"][0]
+    assert newest["step"] == 2
+    assert flip_in_largest_region(newest["segment"]) >= SMALL
+
+    with pytest.raises(RestoreCorrupt, match=r"step 2, restored from memory, failed its checksums.*Nothing was lost"):
+        with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+            state = snap.restore(views=True, defer_checks=True)
+            assert snap.last_restore.step == 2  # handed over before the large regions were checked
+            target = torch.nn.Linear(256, 256)
+            with PrivateAfterLoad(snap, [], [target], defer=True):
+                target.load_state_dict(state["model"])
+            with pytest.raises(RestoreCorrupt):
+                snap.fence()
+            snap.save(3, {"model": target.state_dict()})  # raises again: never a snapshot of unverified state
+    assert [s["step"] for s in control.call(paths.default_socket(job, 0), "list", rank=0)["slots"]] == [1]
+
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:  # the restart
+        state = snap.restore(views=True, defer_checks=True)
+        assert snap.last_restore.step == 1
+        target = torch.nn.Linear(256, 256)
+        with PrivateAfterLoad(snap, [], [target], defer=True):
+            target.load_state_dict(state["model"])
+        snap.fence()
+        assert snap.last_restore.phases["verify_background"] >= 0
+        assert all(torch.equal(a, states[1][k]) for k, a in target.state_dict().items())

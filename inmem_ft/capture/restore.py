@@ -9,7 +9,10 @@ By default the state handed back is private memory: a copy made while verifying 
 after it is copied, while it is in cache), so a framework that keeps restored tensors (torch optimizers do)
 can never write into a snapshot. With `views`, the state views the slots instead and nothing is copied
 here: the framework's load copies into tensors it already owns, which is the fastest restore there is (no
-page of fresh memory faults in), and `capture.views.PrivateAfterLoad` copies out whatever it kept.
+page of fresh memory faults in), and `capture.views.PrivateAfterLoad` copies out whatever it kept. With
+`defer_checks` as well, only the small regions are verified before the hand-over; the large ones are checked
+behind the framework's load and the first forward/backward, and the ranks vote on them at the next fence
+(`capture.verdict`), before anything the restored state produces can last.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from ..errors import InmemFTError, LayoutChanged, LayoutMismatch, SnapshotCorrup
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology, layout_key
+from . import verdict
 from .agreement import all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
@@ -80,7 +84,7 @@ class Restorer:
         self.snap, self.layout, self._other = snap, layout, other
         self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
-    def restore(self, views: bool = False):
+    def restore(self, views: bool = False, defer_checks: bool = False):
         snap, clock = self.snap, _Clock()
         listing = snap._smp.call("list", rank=snap.rank)
         local = self._own_layout(self._candidates(listing["slots"]))
@@ -108,9 +112,9 @@ class Restorer:
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         while steps:
             step = max(steps)
-            state, candidate, nbytes = self._load(step, local, clock, views)
+            state, candidate, nbytes, later = self._load(step, local, clock, views, defer_checks)
             if snap._agree.min(int(state is not None)):
-                return self._finish(step, state, candidate, nbytes, clock)
+                return self._finish(step, state, candidate, nbytes, clock, later)
             log.warning("restore rank=%d step=%d event=corrupt_elsewhere: a rank's copy of step %d failed its "
                         "checksums; falling back to the next older step", snap.rank, step, step)
             steps.discard(step)
@@ -221,15 +225,23 @@ class Restorer:
         return None
 
     # ---- reading it ------------------------------------------------------------------------------------
-    def _load(self, step: int, local: list[_Candidate], clock: _Clock, views: bool):
-        """(state or None if this rank's slot failed its checksums, candidate, bytes). Collective."""
+    def _load(self, step: int, local: list[_Candidate], clock: _Clock, views: bool, defer_checks: bool):
+        """(state or None if this rank's slot failed its checksums, candidate, bytes, the checks deferred to the
+        next fence or None). Collective."""
         snap = self.snap
         candidate = next(c for c in local if c.step == step)
         header = seg.Header.read(candidate.attached.segment.buf)
         shm = candidate.attached.bytes[header.data_off: header.data_off + header.data_len]
         where = f"rank {snap.rank} slot {candidate.attached.segment.name}"
+        later = None
         try:
-            if views:
+            if views and defer_checks:
+                # The small regions now, the large ones behind the framework's load (capture/verdict.py).
+                now, rest = verdict.split(seg.regions(candidate.manifest))
+                later = verdict.DeferredChecks(snap, shm, rest, where, step)
+                seg.check_regions(shm, now, where, step)
+                data = shm
+            elif views:
                 seg.verify_data(shm, candidate.manifest, where, step)
                 data = shm
             else:
@@ -248,16 +260,22 @@ class Restorer:
             data = None
         clock.mark("replicated")
         if data is None:
-            return None, candidate, header.data_len
+            return None, candidate, header.data_len, None
         state = layout.unpack(candidate.manifest, data, replicated, owned=True)
         clock.mark("unpack")
-        return state, candidate, header.data_len
+        return state, candidate, header.data_len, later
 
-    def _finish(self, step, state, candidate: _Candidate, nbytes: int, clock: _Clock):
+    def _finish(self, step, state, candidate: _Candidate, nbytes: int, clock: _Clock, later):
         snap = self.snap
         info = RestoreInfo(step, candidate.source, clock.total, nbytes, path_of(candidate.attached.segment.name),
                            dict(clock.phases))
         snap.resumed(info)
+        if later is not None:
+            snap.before_change(later)
+            if verdict.spare_cores():
+                later.start()
+            else:
+                snap.after_load(later.start)
         log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
                  candidate.source.replace(" ", "_"), info.seconds, nbytes,
                  " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))

@@ -109,7 +109,9 @@ class Snapshotter:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-commit")
         self._pending: Future | None = None
         self._fence_work = None
-        self._before_change = []  # run at the next fence (a restore's copy-out behind forward/backward)
+        self._before_change = []  # run at the next fence (a restore's copy-out and checks behind forward/backward)
+        self._after_load = []  # started once the framework's load from a restore's views is done
+        self._failed: BaseException | None = None  # what a fence found: the state must not change any more
         self._copied = threading.Event()
         self._complete: int | None = None
         self._reserved = False
@@ -211,10 +213,18 @@ class Snapshotter:
 
     def fence(self) -> None:
         """Before the snapshotted state changes: wait for an overlapped snapshot's copy, or for a restore's
-        copy-out (capture.views). Cheap otherwise."""
+        copy-out (capture.views) and checks (capture.verdict; collective then). Cheap otherwise. If one of
+        those failed, this and every later fence raises: the state must not be stepped or snapshotted."""
+        if self._failed is not None:
+            raise self._failed
         pending, self._before_change = self._before_change, []
-        for finish in pending:
-            finish()
+        for finish in pending:  # every one, even after a failure: the checks' verdict is collective
+            try:
+                finish()
+            except BaseException as e:
+                self._failed = self._failed or e
+        if self._failed is not None:
+            raise self._failed
         work, self._fence_work = self._fence_work, None
         if work is None:
             return
@@ -229,6 +239,16 @@ class Snapshotter:
     def before_change(self, finish) -> None:
         """Call `finish()` at the next fence(), before the state next changes or is snapshotted."""
         self._before_change.append(finish)
+
+    def after_load(self, start) -> None:
+        """Call `start()` at loaded(): background work that would only slow the framework's load."""
+        self._after_load.append(start)
+
+    def loaded(self) -> None:
+        """The framework's load from a restore's views is done (capture.views.PrivateAfterLoad says so)."""
+        pending, self._after_load = self._after_load, []
+        for start in pending:
+            start()
 
     def fence_optimizer(self, optimizer) -> None:
         """Fence automatically before every `optimizer.step()` (a torch.optim step pre-hook)."""
@@ -333,7 +353,7 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self, layout: Topology | None = None, views: bool = False, other=None):
+    def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
@@ -341,9 +361,12 @@ class Snapshotter:
 
         The state's tensors are private copies; with `views`, most of them view the slots in shared memory
         instead (no copy): the caller must not write into them and must copy out what it keeps before the
-        next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`."""
+        next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With `defer_checks` too,
+        the checksums of the large regions run in the background (capture.verdict) and the ranks take their
+        verdict at the next fence(), which every rank must then reach before the state changes or is
+        snapshotted; it raises RestoreCorrupt on every rank if a region failed."""
         self.wait()
-        return Restorer(self, layout, other).restore(views)
+        return Restorer(self, layout, other).restore(views, defer_checks)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""
@@ -363,7 +386,8 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(done=True)  # what follows (last commit, teardown) is no hang
         try:
-            self.wait()
+            if self._failed is None:  # else it was raised at the fence that found it, and nothing is pending
+                self.wait()
         finally:
             self._pool.shutdown(wait=True)
             for attached in self._attached.values():

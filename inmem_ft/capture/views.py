@@ -83,6 +83,7 @@ class PrivateAfterLoad:
         else:
             copy.run()
             copy.finish()
+        self.snap.loaded()
         return False
 
 

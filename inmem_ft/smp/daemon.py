@@ -464,6 +464,18 @@ class SMP:
                     slot.segment.close()
                     slot.segment.unlink()
 
+    def op_corrupt(self, msg, conn_id):
+        """A trainer found a region of its restored slot of `step` corrupted after the restore handed it over
+        (capture/verdict.py): discard that slot, so that the next restore falls to another tier."""
+        rank, step = fields.rank(msg), fields.step(msg)
+        for i, slot in enumerate(self.slots.get(rank, [])):
+            if slot is not None and slot.committed_step() == step:
+                log.warning("smp node=%d event=corrupt rank=%d step=%d slot=%d segment=%s reason=a region failed its "
+                            "checksum in the trainer's restore: slot discarded", self.node, rank, step, i,
+                            slot.segment.name)
+                slot.blank()
+        return {}
+
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
         rank, step = fields.rank(msg), fields.step(msg, optional=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 
@@ -160,24 +161,46 @@ def copy_verified(data, manifest: dict, where: str, step: int, workers: int = CO
     import torch
 
     out = torch.empty(data.numel(), dtype=torch.uint8)
-    _verify_runs(data, out, manifest, where, step, workers)
+    _wait(_start_runs(data, out, regions(manifest), where, step, workers))
     return out
 
 
 def verify_data(data, manifest: dict, where: str, step: int, workers: int = COPY_WORKERS) -> None:
     """Check every region's checksum of a slot's data bytes (uint8 tensor) where they lie, with no copy: for
     callers that read the slot in place and copy only what they keep."""
-    _verify_runs(data, None, manifest, where, step, workers)
+    check_regions(data, regions(manifest), where, step, workers)
 
 
-def _verify_runs(data, out, manifest: dict, where: str, step: int, workers: int) -> None:
+def start_checks(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS) -> list[Future]:
+    """Begin checking the regions `todo` (as regions() lists them) of a slot's data bytes where they lie, on the
+    memory pool's threads, and return at once; each future's result() raises SnapshotCorrupt naming a bad
+    region. A region past the data is reported here, before anything starts."""
+    return _start_runs(data, None, todo, where, step, workers)
+
+
+def check_regions(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS) -> None:
+    """start_checks(), waited for."""
+    _wait(start_checks(data, todo, where, step, workers))
+
+
+def check_bounds(data, todo: list, where: str, step: int) -> None:
+    if todo and todo[-1][1] > data.numel():
+        raise SnapshotCorrupt(f"{where}: step {step} {todo[-1][3]} lies past the slot's data")
+
+
+def _wait(futures: list[Future]) -> None:
+    for future in futures:
+        future.result()
+
+
+def _start_runs(data, out, todo: list, where: str, step: int, workers: int) -> list[Future]:
     """Split the regions into `workers` runs of about equal bytes, checked (and copied into `out`, if given)
     side by side: hashing and copying release the GIL, and fresh memory's page faults scale with threads."""
     import os
 
-    todo = regions(manifest)
-    if todo and todo[-1][1] > data.numel():
-        raise SnapshotCorrupt(f"{where}: step {step} {todo[-1][3]} lies past the slot's data")
+    check_bounds(data, todo, where, step)
+    if not todo:
+        return []
     runs, total, acc = [[]], sum(end - start for start, end, _, _ in todo), 0
     share = total / max(1, min(workers, os.cpu_count() or 1))
     for region in todo:
@@ -185,11 +208,7 @@ def _verify_runs(data, out, manifest: dict, where: str, step: int, workers: int)
             runs.append([])
         runs[-1].append(region)
         acc += region[1] - region[0]
-    if len(runs) == 1:
-        _check_run(data, out, runs[0], where, step)
-        return
-    for future in [pages.pool().submit(_check_run, data, out, run, where, step) for run in runs]:
-        future.result()
+    return [pages.pool().submit(_check_run, data, out, run, where, step) for run in runs]
 
 
 def _check_run(data, out, run: list, where: str, step: int) -> None:
