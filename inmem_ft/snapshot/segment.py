@@ -171,16 +171,10 @@ def verify_data(data, manifest: dict, where: str, step: int, workers: int = COPY
     check_regions(data, regions(manifest), where, step, workers)
 
 
-def start_checks(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS) -> list[Future]:
-    """Begin checking the regions `todo` (as regions() lists them) of a slot's data bytes where they lie, on the
-    memory pool's threads, and return at once; each future's result() raises SnapshotCorrupt naming a bad
-    region. A region past the data is reported here, before anything starts."""
-    return _start_runs(data, None, todo, where, step, workers)
-
-
 def check_regions(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS) -> None:
-    """start_checks(), waited for."""
-    _wait(start_checks(data, todo, where, step, workers))
+    """Check the regions `todo` (as regions() lists them) of a slot's data bytes where they lie, on the memory
+    pool's threads; raises SnapshotCorrupt naming a bad region, or one past the data."""
+    _wait(_start_runs(data, None, todo, where, step, workers))
 
 
 def check_bounds(data, todo: list, where: str, step: int) -> None:
