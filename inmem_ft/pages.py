@@ -50,6 +50,24 @@ def populate(address: int, length: int, threads: int = 1) -> None:
                     range(0, length, step)))
 
 
+def privatize(address: int, length: int, chunk: int = HUGE) -> None:
+    """Give this process its own copy of every page of [address, address + length) in a copy-on-write mapping
+    (segments.Segment.private), so the memory no longer changes when the segment behind it is rewritten. In
+    chunks: each madvise holds the address-space lock, which a thread start or a large allocation elsewhere in
+    the process waits for. Where the kernel refuses MADV_POPULATE_WRITE (before 5.14), one byte of every page
+    is written with its own value instead: no one else writes the range until the caller's fence."""
+    import torch  # here: the SMP uses this module and never imports torch
+
+    page = mmap.PAGESIZE
+    lo, hi = address - address % page, address + length
+    for a in range(lo, hi, chunk):
+        n = min(chunk, hi - a)
+        if not advise(a, n, MADV_POPULATE_WRITE):
+            first = (ctypes.c_uint8 * n).from_address(a)
+            touched = torch.frombuffer(first, dtype=torch.uint8)[::page]
+            touched.copy_(touched.clone())
+
+
 def fresh(nbytes: int, threads: int = 1):
     """`nbytes` of private memory (uint8 tensor, which keeps the mapping alive), already faulted in, on huge
     pages where the kernel has them (transparent huge pages in `madvise` mode, the common default)."""

@@ -1,5 +1,6 @@
-"""A restore that hands out views of shared memory (the fast path the adapters use) leaves the framework
-holding none of them: what torch's optimizer keeps is copied into the moments it already had."""
+"""A restore that hands out views (the fast path the adapters use) leaves the framework holding none of the
+slots' shared memory: the views are of a copy-on-write mapping, and what torch's optimizer keeps gets pages
+of its own."""
 import pytest
 import torch
 
@@ -33,51 +34,99 @@ def tensors(model, opt):
             *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]
 
 
+def slot_path(job, step: int) -> str:
+    from inmem_ft.smp import control, paths
+    from inmem_ft.smp.segments import path_of
+
+    slots = control.call(paths.default_socket(job, 0), "list", rank=0)["slots"]
+    return path_of(next(s["segment"] for s in slots if s["step"] == step))
+
+
+def slot_bytes(job, step: int = 1) -> bytes:
+    """The bytes of rank 0's slot of `step`, read from the file, not from a mapping of this process."""
+    with open(slot_path(job, step), "rb") as f:
+        return f.read()
+
+
+def rewrite_slot(job, step: int = 1) -> None:
+    """What the SMP does to a slot once a newer step is complete everywhere: write another snapshot into it."""
+    from inmem_ft.snapshot import segment as seg
+
+    with open(slot_path(job, step), "r+b") as f:
+        header = seg.Header.read(f.read())
+        f.seek(header.data_off)
+        f.write(b"\x7f" * header.data_len)
+
+
 @pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["moments-exist", "no-moments-yet"])
-def test_views_are_copied_out_of_shared_memory_after_the_load(job, smp, fresh_optimizer):
+def test_kept_views_get_pages_of_their_own_after_the_load(job, smp, fresh_optimizer):
+    """The state views a copy-on-write mapping of the slot: what the framework keeps stays where it is, its
+    pages become the process's own, writing it leaves the snapshot alone, and rewriting the slot later leaves
+    it alone; nothing views the slot's shared mapping."""
     expected = saved(job)
+    before = slot_bytes(job)
 
     model2, opt2 = trained(1)
     if fresh_optimizer:
         opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
-    moments = [v for s in opt2.state.values() for v in s.values()]
     with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
         state = snap.restore(views=True)
-        bases = snap.mapped_storages()
-        assert state["model"]["0.weight"].untyped_storage().data_ptr() in bases  # really a view: no copy made
+        cow = snap.private_mappings()
+        assert state["model"]["0.weight"].untyped_storage().data_ptr() in cow  # really a view: no copy made
         with PrivateAfterLoad(snap, [opt2], [model2]) as guard:
             model2.load_state_dict(state["model"])
             opt2.load_state_dict(state["optim"])
-        assert guard.copied > 0
+        assert guard.privatized > 0 and guard.copied == 0  # torch's optimizer keeps the moments it is given
         got = tensors(model2, opt2)
-        assert not [t for t in got if t.untyped_storage().data_ptr() in bases]
+        shared = snap.mapped_storages() - cow
+        assert not [t for t in got if t.untyped_storage().data_ptr() in shared]
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
-        if not fresh_optimizer:  # copied into the moments it had, not into fresh memory
-            after = [v for s in opt2.state.values() for v in s.values()]
-            assert all(a is b for a, b in zip(after, moments))
+
+        assert slot_bytes(job) == before
+        rewrite_slot(job)  # what it kept no longer shares a page with the slot
+        assert all(torch.equal(a, b) for a, b in zip(tensors(model2, opt2), expected))
+        rewritten = slot_bytes(job)
+        for t in got:  # the optimizer's in-place updates do not reach the slot
+            t.data.add_(1.0)
+        assert slot_bytes(job) == rewritten
 
 
-def test_deferred_copy_out_waits_for_the_fence(job, smp):
-    """With defer, the optimizer keeps its views until the next fence (before its first step), then holds
-    private copies with the snapshot's values; a snapshot taken before any step fences first."""
+def test_pages_become_private_where_the_kernel_refuses_populate_write(job, smp, monkeypatch):
+    """Before Linux 5.14 madvise refuses MADV_POPULATE_WRITE: one byte of every page is rewritten instead."""
+    from inmem_ft import pages
+
+    expected = saved(job)
+    monkeypatch.setattr(pages, "advise", lambda *a: False)
+    model2, _ = trained(1)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        state = snap.restore(views=True)
+        with PrivateAfterLoad(snap, [opt2], [model2]) as guard:
+            model2.load_state_dict(state["model"])
+            opt2.load_state_dict(state["optim"])
+        assert guard.privatized > 0
+        rewrite_slot(job)
+        assert all(torch.equal(a, b) for a, b in zip(tensors(model2, opt2), expected))
+
+
+def test_deferred_privatization_waits_for_the_fence(job, smp):
+    """With defer, the pages of what the optimizer keeps become its own in the background; the next fence
+    (before its first step) waits for that, and a snapshot taken before any step fences first."""
     expected = saved(job)
 
     model2, _ = trained(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
         state = snap.restore(views=True)
-        bases = snap.mapped_storages()
         with PrivateAfterLoad(snap, [opt2], [model2], defer=True) as guard:
             model2.load_state_dict(state["model"])
             opt2.load_state_dict(state["optim"])
-        assert guard.copied > 0
-        moments = [v for s in opt2.state.values() for v in s.values() if v.numel() > 1]
-        assert all(v.untyped_storage().data_ptr() in bases for v in moments)  # still views: copy in background
+        assert guard.privatized > 0
         snap.save(2, {"model": model2.state_dict(), "optim": opt2.state_dict()})  # fences before it copies
-        got = tensors(model2, opt2)
-        assert not [t for t in got if t.untyped_storage().data_ptr() in bases]
-        assert all(torch.equal(a, b) for a, b in zip(got, expected))
         snap.wait()
+        rewrite_slot(job, step=1)  # the restored step's slot, as once a newer step is complete everywhere
+        got = tensors(model2, opt2)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_deferred_checks_stop_every_later_fence_on_a_flipped_byte(job, smp):

@@ -7,9 +7,10 @@ older step they all hold.
 
 By default the state handed back is private memory: a copy made while verifying (each piece hashed right
 after it is copied, while it is in cache), so a framework that keeps restored tensors (torch optimizers do)
-can never write into a snapshot. With `views`, the state views the slots instead and nothing is copied
-here: the framework's load copies into tensors it already owns, which is the fastest restore there is (no
-page of fresh memory faults in), and `capture.views.PrivateAfterLoad` copies out whatever it kept. With
+can never write into a snapshot. With `views`, the state views a copy-on-write mapping of the slot instead
+and nothing is copied here: the framework's load copies into tensors it already owns (or finds them already
+pointed at the views), which is the fastest restore there is (no page of fresh memory faults in), and
+`capture.views.PrivateAfterLoad` gives whatever it kept pages of its own. With
 `defer_checks` as well, only the small regions are verified before the hand-over; the large ones are checked
 behind the framework's load and the first forward/backward, and the ranks vote on them at the next fence
 (`capture.verdict`), before anything the restored state produces can last.
@@ -231,19 +232,23 @@ class Restorer:
         snap = self.snap
         candidate = next(c for c in local if c.step == step)
         header = seg.Header.read(candidate.attached.segment.buf)
-        shm = candidate.attached.bytes[header.data_off: header.data_off + header.data_len]
+        span = slice(header.data_off, header.data_off + header.data_len)
+        shm = candidate.attached.bytes[span]
         where = f"rank {snap.rank} slot {candidate.attached.segment.name}"
         later = None
         try:
+            # Views are handed out of a copy-on-write mapping of the slot: the framework may keep and write them
+            # (its own tensors can even be pointed at them, so that its load copies nothing); the checksums
+            # read the slot itself.
             if views and defer_checks:
                 # The small regions now, the large ones behind the framework's load (capture/verdict.py).
                 now, rest = verdict.split(seg.regions(candidate.manifest))
                 later = verdict.DeferredChecks(snap, shm, rest, where, step)
                 seg.check_regions(shm, now, where, step)
-                data = shm
+                data = candidate.attached.private()[span]
             elif views:
                 seg.verify_data(shm, candidate.manifest, where, step)
-                data = shm
+                data = candidate.attached.private()[span]
             else:
                 data = seg.copy_verified(shm, candidate.manifest, where, step)
         except SnapshotCorrupt as e:
@@ -272,6 +277,7 @@ class Restorer:
         snap.resumed(info)
         if later is not None:
             snap.before_change(later)
+            later.arm()
             if verdict.spare_cores():
                 later.start()
             else:

@@ -77,6 +77,14 @@ class _Attached:
         self.segment = Segment(name)
         self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self.populated = False
+        self._private: torch.Tensor | None = None
+
+    def private(self) -> torch.Tensor:
+        """The slot's bytes in a copy-on-write mapping of it (Segment.private), mapped once: what a restore with
+        views hands the framework, which may then keep and write them without touching the snapshot."""
+        if self._private is None:
+            self._private = torch.frombuffer(self.segment.private(), dtype=torch.uint8)
+        return self._private
 
     def for_writing(self) -> "_Attached":
         # Prefault once, so snapshot copies run at memcpy speed; a restore only reads and need not pay it.
@@ -87,6 +95,7 @@ class _Attached:
 
     def close(self) -> None:
         del self.bytes
+        self._private = None  # its mapping goes with the last tensor that views it
         self.segment.close()
 
 
@@ -359,9 +368,11 @@ class Snapshotter:
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
         another layout than `layout` (default: another world size); `other`: see Restorer.
 
-        The state's tensors are private copies; with `views`, most of them view the slots in shared memory
-        instead (no copy): the caller must not write into them and must copy out what it keeps before the
-        next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With `defer_checks` too,
+        The state's tensors are private copies; with `views`, most of them view a copy-on-write mapping of the
+        slots instead (no copy; a data-parallel peer's share views its slot's shared mapping, read-only for the
+        caller): the caller may write the former, and must give what it keeps pages of its own (or copy it out)
+        before the next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With
+        `defer_checks` too,
         the checksums of the large regions run in the background (capture.verdict) and the ranks take their
         verdict at the next fence(), which every rank must then reach before the state changes or is
         snapshotted; it raises RestoreCorrupt on every rank if a region failed."""
@@ -370,7 +381,12 @@ class Snapshotter:
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""
-        return {attached.bytes.untyped_storage().data_ptr() for attached in self._attached.values()}
+        return {attached.bytes.untyped_storage().data_ptr() for attached in self._attached.values()} | \
+            self.private_mappings()
+
+    def private_mappings(self) -> set[int]:
+        """Base addresses of the copy-on-write slot mappings (_Attached.private) of this process."""
+        return {a._private.untyped_storage().data_ptr() for a in self._attached.values() if a._private is not None}
 
     def resumed(self, info: RestoreInfo) -> None:
         """The job resumes from `info.step` (restored here, or rebuilt from another layout's snapshots by an

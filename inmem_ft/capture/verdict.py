@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import torch
 
 from ..errors import InmemFTError, SnapshotCorrupt
 from ..snapshot import segment as seg
+from .armed import Armed
 
 SMALL = 64 << 10  # regions below this are checked before the hand-over: microseconds, and used before a fence
 log = logging.getLogger("inmem_ft.capture")
@@ -62,19 +62,23 @@ class DeferredChecks:
         self.snap, self.data, self.todo, self.where, self.step = snap, data, todo, where, step
         self.nbytes = sum(end - start for start, end, _, _ in todo)
         seg.check_bounds(data, todo, where, step)  # a malformed manifest fails the restore itself, not later
-        self._thread: threading.Thread | None = None
+        self._thread: Armed | None = None
         self._problem: BaseException | None = None  # this rank's: a bad region, or why it could not check
         self._bad: list[int] | None = None  # the ranks whose checks failed; None: the vote did not finish
         self._vote_error: BaseException | None = None
         self._seconds, self._vote_s = 0.0, 0.0
         self._failed: RestoreCorrupt | None = None
 
+    def arm(self) -> None:
+        """Start the thread that will check and vote, before the framework's load (capture/armed.py)."""
+        if self._thread is None:
+            self._thread = Armed("inmem_ft-verdict")
+
     def start(self) -> None:
         """Begin the checks (idempotent). The vote that follows them is a collective of the agreement group,
         which nothing else uses between a restore and its fence: every snapshot and commit fences first."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._check_and_vote, name="inmem_ft-verdict", daemon=True)
-            self._thread.start()
+        self.arm()
+        self._thread.go(self._check_and_vote)
 
     def _check_and_vote(self) -> None:
         t0 = time.perf_counter()

@@ -1,29 +1,26 @@
-"""Restoring from views of shared memory without letting the framework keep them.
+"""Restoring from views of the slots without letting the framework keep the snapshot's memory.
 
 A restore that hands a framework views of the slots (`Snapshotter.restore(views=True)`) skips a copy of the
 whole state into fresh memory, which on a CPU node costs more than everything else in a restore (every page
-of fresh memory faults in on first touch). Most loaders copy what they read into tensors they already own
-(module.load_state_dict, DeepSpeed's ZeRO-1/2 partitions), but torch's Optimizer.load_state_dict keeps the
-tensors it is given, and the trainer rewrites its slots two snapshots later: a kept view would then change
-under the optimizer, and the optimizer's in-place updates would write into a snapshot. `PrivateAfterLoad`
-brackets the framework's load and copies every kept view out into memory the framework owns: into the state
-tensors the optimizer held before the load where they match (already faulted in, so the copy runs at memcpy
-speed), else into one fresh arena faulted in up front on huge pages (pages.fresh), several times cheaper than
-faulting fresh tensors in one 4 KiB page at a time.
+of fresh memory faults in on first touch). The views are of a copy-on-write mapping of the slot
+(`smp.segments.Segment.private`): the framework may write them without touching the snapshot, and an adapter
+may point the framework's own tensors at them so that its load copies nothing (DeepSpeed's fp32 partitions:
+integrations/deepspeed/handle.py). What stays shared is a page not yet written: it would change when the SMP
+rewrites the slot, two snapshots later. `PrivateAfterLoad` brackets the framework's load and gives every kept
+view of a copy-on-write mapping pages of its own (pages.privatize: the kernel copies each page, no Python
+pass over the bytes); whatever the framework kept of the slots' shared mappings (a data-parallel peer's
+share) is copied out: into the state tensors the optimizer held before the load where they match (already
+faulted in, so the copy runs at memcpy speed), else into one fresh arena faulted in up front on huge pages.
 
-With `defer`, that copy runs in the background and the kept views are swapped for the copies at the
-Snapshotter's next fence() (before the next optimizer step or snapshot, which the adapters already fence):
-until then nothing writes the views (forward and backward do not touch optimizer state) and the slots they
-view cannot be rewritten (the restored step's slots are kept until every rank, each after its own fence,
-commits a newer step). A fresh process has no optimizer state to copy into, so the copy is mostly page
-faults of fresh memory, whose cost swings from 0.1 to several seconds with the kernel's huge-page compaction
-on a loaded node: behind the first forward/backward, the restore no longer waits for it.
+With `defer`, that work runs in the background and finishes at the Snapshotter's next fence() (before the
+next optimizer step or snapshot, which the adapters already fence): until then nothing writes the views
+(forward and backward do not touch optimizer state) and the slots they view cannot be rewritten (the
+restored step's slots are kept until every rank, each after its own fence, commits a newer step).
 """
 from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from typing import Iterable
 
@@ -32,6 +29,7 @@ import torch
 
 from .. import pages
 from ..snapshot import segment
+from .armed import Armed
 
 PIECE = 1 << 21  # elements per copy task: enough tasks to keep every worker busy, few enough to be cheap
 log = logging.getLogger("inmem_ft.capture")
@@ -48,13 +46,17 @@ class PrivateAfterLoad:
         self.snap, self.optimizers, self.modules = snap, list(optimizers), list(modules)
         self.holders, self.defer = list(holders), defer
         self.copied = 0  # bytes copied out of shared memory (with `defer`: being copied, in the background)
+        self.privatized = 0  # bytes of copy-on-write views kept, whose pages become this process's own
 
     def __enter__(self):
         self._before = [{id(p): dict(s) for p, s in opt.state.items()} for opt in self.optimizers]
+        self._armed = Armed("inmem_ft-copy-out") if self.defer else None
         return self
 
     def __exit__(self, *exc):
         if exc[0] is not None:
+            if self._armed is not None:
+                self._armed.go(None)
             return False
         bases = self.snap.mapped_storages()
         kept = []  # (put(tensor), view, own tensor to copy into or None)
@@ -75,12 +77,20 @@ class PrivateAfterLoad:
                 elif isinstance(value, list):
                     kept += [(functools.partial(value.__setitem__, i), item, None)
                              for i, item in enumerate(value) if _views(item, bases)]
-        copy = _CopyOut(kept, self.snap.rank)
-        self.copied = copy.nbytes
+        # What views a copy-on-write mapping stays where it is; only its pages are made the process's own.
+        cow = self.snap.private_mappings()
+        moved, stays = [], []
+        for k in kept:
+            (stays if k[1].untyped_storage().data_ptr() in cow and k[1].is_contiguous() else moved).append(k)
+        copy = _CopyOut(moved, [(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays],
+                        self.snap.rank)
+        self.copied, self.privatized = copy.nbytes, copy.private_bytes
         if self.defer and kept:
             self.snap.before_change(copy.finish)
-            copy.start()
+            copy.start(self._armed)
         else:
+            if self._armed is not None:
+                self._armed.go(None)
             copy.run()
             copy.finish()
         self.snap.loaded()
@@ -89,16 +99,20 @@ class PrivateAfterLoad:
 
 class _CopyOut:
     """Each kept view into the tensor the framework had (if it fits) or into one fresh arena, faulted in up
-    front on huge pages; the copies run side by side (torch's copy releases the GIL). finish() hands the
-    copies to the framework in place of the views."""
+    front on huge pages; the copies run side by side (torch's copy releases the GIL). The (address, length)
+    ranges of `private` (kept views of copy-on-write mappings) get pages of their own instead, with no copy
+    in Python. finish() hands the copies to the framework in place of the views."""
 
-    def __init__(self, kept: list, rank: int):
-        self.kept, self.rank, self.nbytes = kept, rank, sum(view.numel() * view.element_size() for _, view, _ in kept)
+    def __init__(self, kept: list, private: list[tuple[int, int]], rank: int):
+        self.kept, self.private, self.rank = kept, private, rank
+        self.nbytes = sum(view.numel() * view.element_size() for _, view, _ in kept)
+        self.private_bytes = sum(n for _, n in private)
         self._thread, self._error, self._seconds = None, None, 0.0
+        self._owned: list = []
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._background, name="inmem_ft-copy-out", daemon=True)
-        self._thread.start()
+    def start(self, thread: Armed) -> None:
+        self._thread = thread
+        thread.go(self._background)
 
     def _background(self) -> None:
         try:
@@ -108,6 +122,8 @@ class _CopyOut:
 
     def run(self) -> None:
         t0 = time.perf_counter()
+        for address, length in self.private:
+            pages.privatize(address, length)
         targets, sizes = [], []
         for put, view, own in self.kept:
             fits = (own is not None and own is not view and own.shape == view.shape and own.dtype == view.dtype
@@ -135,8 +151,8 @@ class _CopyOut:
             waited = time.perf_counter() - t0
             if self._error is not None:
                 raise self._error
-            log.info("restore rank=%d event=copied_out bytes=%d background_s=%.3f waited_s=%.3f", self.rank,
-                     self.nbytes, self._seconds, waited)
+            log.info("restore rank=%d event=copied_out bytes=%d privatized_bytes=%d background_s=%.3f waited_s=%.3f",
+                     self.rank, self.nbytes, self.private_bytes, self._seconds, waited)
         for (put, _, _), own in zip(self.kept, self._owned):
             put(own)
         self.kept = self._owned = []

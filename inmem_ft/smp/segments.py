@@ -122,6 +122,19 @@ class Segment:
         del anchor  # the address stays valid while the mapping is open; the buffer export must not linger
         pages.populate(address, self.size)
 
+    def private(self):
+        """A copy-on-write mapping of the same memory (an mmap): reads share the segment's pages, the first write
+        to a page gives this process its own copy, and the segment never changes through it. Pages not yet
+        written still show what the segment holds, so the caller privatizes what it keeps before the segment
+        may be rewritten (pages.privatize)."""
+        fd = open_owned(self.name, os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_ino != self.inode:
+                raise ForeignSegment(f"segment {self.name} was replaced since it was mapped: refused")
+            return mmap.mmap(fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         try:
             self.buf.release()

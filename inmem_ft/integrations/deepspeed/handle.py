@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
+from ... import pages
 from ...config import InmemFTBlock
 from ...errors import ConfigError, LayoutChanged
 from ...smp import paths
@@ -27,6 +29,9 @@ from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
 MEMORY_RESHARDED = "memory resharded"
+# The fp32 master partitions of a ZeRO optimizer, and the key its checkpoint saves them under (ZeRO-1/2, ZeRO-3).
+FP32_PARTITIONS = (("single_partition_of_fp32_groups", SINGLE_PARTITION_OF_FP32_GROUPS),
+                   ("fp32_partitioned_groups_flat", FP32_FLAT_GROUPS))
 
 
 @dataclass
@@ -90,6 +95,9 @@ class Handle:
         @functools.wraps(step)
         def wrapped_step(*a, **kw):
             self.snap.fence()  # the last snapshot's copy ran behind forward/backward; the step changes the state
+            # The optimizer now steps in the restored tensors themselves (copy-on-write views of the slot): they
+            # no longer hold the snapshot, so a later load of its tag is DeepSpeed's own, from disk.
+            self._memory = None
             before = engine.global_steps
             out = step(*a, **kw)
             now = engine.global_steps
@@ -216,22 +224,48 @@ class Handle:
         self.engine._get_all_ckpt_names = lambda _dir, _tag: [anchor] * self.engine.mp_world_size
         optimizer = self.engine.optimizer
         inner = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if isinstance(o, torch.optim.Optimizer)]
+        # DeepSpeed's defaults: it loads the optimizer states and relinks the partitions
+        displaced = self._adopt_partitions(state["files"]) if not a and not kw else []
         try:
-            # The state views the slots; the engine copies parameters and ZeRO partitions into its own tensors,
-            # and torch's optimizer keeps what it is given: that is copied out behind the first forward/backward
-            # and swapped in at the fence before the first optimizer step (wrapped_step) or snapshot.
+            # The state views a copy-on-write mapping of the slot; the engine copies parameters into its own
+            # tensors (its fp32 partitions already are the views), and torch's optimizer keeps what it is given:
+            # what is kept gets pages of its own behind the first forward/backward, done by the fence before the
+            # first optimizer step (wrapped_step) or snapshot.
             with PrivateAfterLoad(self.snap, inner, [self.engine.module],
                                   [optimizer] if optimizer is not None else [], defer=True):
                 path, _ = self._load(self.scratch, tag, *a, **kw)
         finally:
             del self.engine._get_all_ckpt_names
             self.ckpt.serve(None)
+        # Freeing the partitions the engine had (hundreds of MiB of pages) is not for the restore to wait on.
+        pages.pool().submit(displaced.clear)
         if path is None:
             raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
         restore_rng_state(state["rank"]["rng"])
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
         extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
+
+    def _adopt_partitions(self, files: dict) -> list[torch.Tensor]:
+        """Point the engine's fp32 master partitions at the restored ones where they match. Those are views of a
+        copy-on-write mapping of the slot (Snapshotter.restore with views), so DeepSpeed's load, which copies the
+        saved partitions into the engine's, finds them already there and copies nothing (torch's copy_ returns
+        at once when source and destination are the same memory); PrivateAfterLoad then gives their pages to
+        this process, behind the first forward/backward. Returns the tensors they had."""
+        optimizer, cow, displaced = self.engine.optimizer, self.snap.private_mappings(), []
+        for ours, saved_key in FP32_PARTITIONS:
+            current = getattr(optimizer, ours, None)
+            saved = next((sd["optimizer_state_dict"][saved_key] for sd in files.values()
+                          if saved_key in (sd.get("optimizer_state_dict") or {})), None)
+            if current is None or saved is None or len(current) != len(saved):
+                continue
+            for mine, theirs in zip(current, saved):
+                if (isinstance(theirs, torch.Tensor) and theirs.untyped_storage().data_ptr() in cow
+                        and theirs.is_contiguous() and theirs.numel() == mine.numel()
+                        and theirs.dtype == mine.dtype and theirs.device == mine.device):
+                    displaced.append(mine.data)
+                    mine.data = theirs.view(mine.shape)
+        return displaced
 
     def _load_resharded(self, open_source) -> Restored:
         """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
