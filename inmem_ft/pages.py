@@ -13,6 +13,9 @@ import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14; an older kernel refuses it and pages fault in on first touch
 HUGE = 2 << 20
@@ -55,17 +58,40 @@ def privatize(address: int, length: int, chunk: int = HUGE) -> None:
     (segments.Segment.private), so the memory no longer changes when the segment behind it is rewritten. In
     chunks: each madvise holds the address-space lock, which a thread start or a large allocation elsewhere in
     the process waits for. Where the kernel refuses MADV_POPULATE_WRITE (before 5.14), one byte of every page
-    is written with its own value instead: no one else writes the range until the caller's fence."""
+    is written with its own value instead. Either way no one else may write the range meanwhile (the callers
+    run it before their fence)."""
     import torch  # here: the SMP uses this module and never imports torch
 
     page = mmap.PAGESIZE
     lo, hi = address - address % page, address + length
+    _drop_unwritten(lo, hi)
     for a in range(lo, hi, chunk):
         n = min(chunk, hi - a)
         if not advise(a, n, MADV_POPULATE_WRITE):
             first = (ctypes.c_uint8 * n).from_address(a)
             touched = torch.frombuffer(first, dtype=torch.uint8)[::page]
             touched.copy_(touched.clone())
+
+
+def _drop_unwritten(lo: int, hi: int) -> None:
+    """Unmap the pages of [lo, hi) (lo page-aligned) that still map the file behind a private mapping: read,
+    never written, they show the file's own bytes, so nothing is lost. Making such a page private replaces a
+    mapped page, which interrupts every core the process runs on to flush its TLB entry, one page at a time:
+    400 MiB took 2.1 s that way beside a busy training thread, 0.32 s once unmapped (the kernel then gives
+    each page its copy as it maps it, and unmapping flushes in batches). The page flags come from
+    /proc/self/pagemap (bit 63: present, bit 61: a file page); without it nothing is dropped."""
+    page = mmap.PAGESIZE
+    first, count = lo // page, -(-(hi - lo) // page)
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            flags = np.frombuffer(f.read(count * 8), dtype=np.uint64)
+    except OSError:
+        return
+    mapped = ((flags >> np.uint64(63)) & (flags >> np.uint64(61)) & np.uint64(1)).astype(np.int8)
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], mapped, [0]))))
+    for start, stop in zip(edges[::2], edges[1::2]):
+        advise(lo + int(start) * page, int(stop - start) * page, MADV_DONTNEED)
 
 
 def fresh(nbytes: int, threads: int = 1):

@@ -126,7 +126,9 @@ class Segment:
         """A copy-on-write mapping of the same memory (an mmap): reads share the segment's pages, the first write
         to a page gives this process its own copy, and the segment never changes through it. Pages not yet
         written still show what the segment holds, so the caller privatizes what it keeps before the segment
-        may be rewritten (pages.privatize)."""
+        may be rewritten (pages.privatize). The mapping holds the segment's memory while it lives, even once an
+        SMP unlinks the segment (a slot replaced by one of another size); slots of a running job are rewritten
+        in place, so in practice nothing is held twice."""
         fd = open_owned(self.name, os.O_RDONLY)
         try:
             if os.fstat(fd).st_ino != self.inode:
