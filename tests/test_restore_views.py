@@ -91,6 +91,27 @@ def test_kept_views_get_pages_of_their_own_after_the_load(job, smp, fresh_optimi
         assert slot_bytes(job) == rewritten
 
 
+def test_a_second_restore_hands_out_the_snapshot_not_what_the_first_restore_trained(job, smp):
+    """Every restore maps the slot afresh: what was written through an earlier restore's views (the optimizer
+    stepping in them) is not handed out again as the snapshot."""
+    expected = saved(job)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        model2, opt2 = trained(1)
+        state = snap.restore(views=True)
+        with PrivateAfterLoad(snap, [opt2], [model2]):
+            model2.load_state_dict(state["model"])
+            opt2.load_state_dict(state["optim"])
+        for t in tensors(model2, opt2):
+            t.data.add_(1.0)
+        model3, opt3 = trained(2)
+        state = snap.restore(views=True)
+        with PrivateAfterLoad(snap, [opt3], [model3]):
+            model3.load_state_dict(state["model"])
+            opt3.load_state_dict(state["optim"])
+        assert all(torch.equal(a, b) for a, b in zip(tensors(model3, opt3), expected))
+        assert all(torch.equal(a, b + 1.0) for a, b in zip(tensors(model2, opt2), expected))
+
+
 def test_pages_become_private_where_the_kernel_refuses_populate_write(job, smp, monkeypatch):
     """Before Linux 5.14 madvise refuses MADV_POPULATE_WRITE: one byte of every page is rewritten instead."""
     from inmem_ft import pages

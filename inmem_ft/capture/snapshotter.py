@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,14 +78,21 @@ class _Attached:
         self.segment = Segment(name)
         self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self.populated = False
-        self._private: torch.Tensor | None = None
+        self._private: list[tuple[weakref.ref, int]] = []  # (its mmap, its base address) per private()
 
     def private(self) -> torch.Tensor:
-        """The slot's bytes in a copy-on-write mapping of it (Segment.private), mapped once: what a restore with
-        views hands the framework, which may then keep and write them without touching the snapshot."""
-        if self._private is None:
-            self._private = torch.frombuffer(self.segment.private(), dtype=torch.uint8)
-        return self._private
+        """The slot's bytes in a fresh copy-on-write mapping of it (Segment.private): what a restore with views
+        hands the framework, which may then keep and write them without touching the snapshot. Fresh for every
+        restore: the framework may have written into an earlier one since."""
+        mapping = self.segment.private()
+        out = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._private.append((weakref.ref(mapping), out.data_ptr()))
+        return out
+
+    def private_bases(self) -> set[int]:
+        """Base addresses of this slot's copy-on-write mappings still alive (a tensor views each)."""
+        self._private = [(ref, base) for ref, base in self._private if ref() is not None]
+        return {base for _, base in self._private}
 
     def for_writing(self) -> "_Attached":
         # Prefault once, so snapshot copies run at memcpy speed; a restore only reads and need not pay it.
@@ -95,7 +103,7 @@ class _Attached:
 
     def close(self) -> None:
         del self.bytes
-        self._private = None  # its mapping goes with the last tensor that views it
+        self._private = []  # each mapping goes with the last tensor that views it
         self.segment.close()
 
 
@@ -372,10 +380,9 @@ class Snapshotter:
         slots instead (no copy; a data-parallel peer's share views its slot's shared mapping, read-only for the
         caller): the caller may write the former, and must give what it keeps pages of its own (or copy it out)
         before the next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With
-        `defer_checks` too,
-        the checksums of the large regions run in the background (capture.verdict) and the ranks take their
-        verdict at the next fence(), which every rank must then reach before the state changes or is
-        snapshotted; it raises RestoreCorrupt on every rank if a region failed."""
+        `defer_checks` too, the checksums of the large regions run in the background (capture.verdict) and the
+        ranks take their verdict at the next fence(), which every rank must then reach before the state changes
+        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed."""
         self.wait()
         return Restorer(self, layout, other).restore(views, defer_checks)
 
@@ -386,7 +393,7 @@ class Snapshotter:
 
     def private_mappings(self) -> set[int]:
         """Base addresses of the copy-on-write slot mappings (_Attached.private) of this process."""
-        return {a._private.untyped_storage().data_ptr() for a in self._attached.values() if a._private is not None}
+        return set().union(*(a.private_bases() for a in self._attached.values()))
 
     def resumed(self, info: RestoreInfo) -> None:
         """The job resumes from `info.step` (restored here, or rebuilt from another layout's snapshots by an

@@ -14,10 +14,10 @@ from typing import Any, Callable
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
+from ... import pages
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
-from ... import pages
 from ...config import InmemFTBlock
 from ...errors import ConfigError, LayoutChanged
 from ...smp import paths
