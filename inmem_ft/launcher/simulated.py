@@ -192,6 +192,9 @@ class SimulatedCluster:
                             "TORCHELASTIC_USE_AGENT_STORE": "True"})
             proc, how = None, "plain"
             if timed and self.standbys:
+                # The log exists from the start whoever writes it: a standby opens it only once it takes over,
+                # and a rank that fails before then (or a restart stopped first) still has one to read.
+                open(log, "w").close()
                 proc, how = self.standbys.hand_over(self.slot_of(rank), argv, env, log), "standby"
             if proc is None:
                 command = ["-m", "inmem_ft.launcher.worker", "--", *argv] if timed else argv
