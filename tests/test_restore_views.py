@@ -1,6 +1,8 @@
 """A restore that hands out views (the fast path the adapters use) leaves the framework holding none of the
 slots' shared memory: the views are of a copy-on-write mapping, and what torch's optimizer keeps gets pages
 of its own."""
+import weakref
+
 import pytest
 import torch
 
@@ -132,18 +134,23 @@ def test_pages_become_private_where_the_kernel_refuses_populate_write(job, smp, 
 
 def test_deferred_privatization_waits_for_the_fence(job, smp):
     """With defer, the pages of what the optimizer keeps become its own in the background; the next fence
-    (before its first step) waits for that, and a snapshot taken before any step fences first."""
+    (before its first step) waits for that, and a snapshot taken before any step fences first. What the
+    adapter displaced (`release`) is let go after that, not during the restore."""
     expected = saved(job)
 
     model2, _ = trained(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    displaced = torch.ones(1 << 20)
+    gone = weakref.ref(displaced)
     with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
         state = snap.restore(views=True)
-        with PrivateAfterLoad(snap, [opt2], [model2], defer=True) as guard:
+        with PrivateAfterLoad(snap, [opt2], [model2], defer=True, release=[displaced]) as guard:
             model2.load_state_dict(state["model"])
             opt2.load_state_dict(state["optim"])
+        del displaced
         assert guard.privatized > 0
         snap.save(2, {"model": model2.state_dict(), "optim": opt2.state_dict()})  # fences before it copies
+        assert gone() is None
         snap.wait()
         rewrite_slot(job, step=1)  # the restored step's slot, as once a newer step is complete everywhere
         got = tensors(model2, opt2)

@@ -39,11 +39,16 @@ class Agreement:
         """A gloo group with the same members as `group` (which may be NCCL), usable from the commit thread.
 
         new_group is collective over the whole world, so every rank learns every group's members first and
-        all ranks create all the mirrors in the same order.
+        all ranks create all the mirrors in the same order. A group of the whole world (data parallelism
+        alone) gets this agreement's own group: the callers never use both at once (the restore's exchanges
+        run on the main thread before any snapshot or background check), and a gloo group of the whole world
+        is the costly one to build (a connection between every two ranks).
         """
         if group is None or not self.distributed:
             return None
         members = dist.get_process_group_ranks(group)
+        if len(members) == self.world_size:
+            return self.group
         rows = self.gather(sorted(members))
         mine = None
         for ranks in sorted({tuple(r) for r in rows}):

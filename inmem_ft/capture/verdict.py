@@ -83,7 +83,10 @@ class DeferredChecks:
     def _check_and_vote(self) -> None:
         t0 = time.perf_counter()
         try:
-            seg.check_regions(self.data, self.todo, self.where, self.step)
+            # One thread where the node has no core to spare: the rank's main thread, training behind these
+            # checks, then shares its core with one thread of them, not with one per worker.
+            seg.check_regions(self.data, self.todo, self.where, self.step,
+                              workers=seg.COPY_WORKERS if spare_cores() else 1)
         except Exception as e:  # whatever it is, this rank must still vote
             self._problem = e
         t1 = time.perf_counter()

@@ -42,9 +42,11 @@ class PrivateAfterLoad:
     slot mappings."""
 
     def __init__(self, snap, optimizers: Iterable[torch.optim.Optimizer] = (), modules: Iterable = (),
-                 holders: Iterable = (), defer: bool = False):
+                 holders: Iterable = (), defer: bool = False, release: list | None = None):
+        """release: tensors the framework no longer holds (what an adapter displaced), dropped after the kept
+        views have pages of their own: freeing hundreds of MiB is not for the restore to wait on."""
         self.snap, self.optimizers, self.modules = snap, list(optimizers), list(modules)
-        self.holders, self.defer = list(holders), defer
+        self.holders, self.defer, self.release = list(holders), defer, release if release is not None else []
         self.copied = 0  # bytes copied out of shared memory (with `defer`: being copied, in the background)
         self.privatized = 0  # bytes of copy-on-write views kept, whose pages become this process's own
 
@@ -83,7 +85,7 @@ class PrivateAfterLoad:
         for k in kept:
             (stays if k[1].untyped_storage().data_ptr() in cow and k[1].is_contiguous() else moved).append(k)
         copy = _CopyOut(moved, [(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays],
-                        self.snap.rank)
+                        self.snap.rank, self.release)
         self.copied, self.privatized = copy.nbytes, copy.private_bytes
         if self.defer and kept:
             self.snap.before_change(copy.finish)
@@ -103,8 +105,8 @@ class _CopyOut:
     ranges of `private` (kept views of copy-on-write mappings) get pages of their own instead, with no copy
     in Python. finish() hands the copies to the framework in place of the views."""
 
-    def __init__(self, kept: list, private: list[tuple[int, int]], rank: int):
-        self.kept, self.private, self.rank = kept, private, rank
+    def __init__(self, kept: list, private: list[tuple[int, int]], rank: int, release: list):
+        self.kept, self.private, self.rank, self.release = kept, private, rank, release
         self.nbytes = sum(view.numel() * view.element_size() for _, view, _ in kept)
         self.private_bytes = sum(n for _, n in private)
         self._thread, self._error, self._seconds = None, None, 0.0
@@ -141,6 +143,7 @@ class _CopyOut:
             pieces += [(flat_dst[a: a + PIECE], flat_src[a: a + PIECE]) for a in range(0, flat_dst.numel(), PIECE)]
             owned.append(own)
         list(pages.pool().map(lambda pair: pair[0].copy_(pair[1]), pieces))
+        self.release.clear()
         self._owned, self._seconds = owned, time.perf_counter() - t0
 
     def finish(self) -> None:

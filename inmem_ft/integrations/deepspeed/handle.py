@@ -14,7 +14,6 @@ from typing import Any, Callable
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
-from ... import pages
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
@@ -230,20 +229,21 @@ class Handle:
             # The state views a copy-on-write mapping of the slot; the engine copies parameters into its own
             # tensors (its fp32 partitions already are the views), and torch's optimizer keeps what it is given:
             # what is kept gets pages of its own behind the first forward/backward, done by the fence before the
-            # first optimizer step (wrapped_step) or snapshot.
-            with PrivateAfterLoad(self.snap, inner, [self.engine.module],
-                                  [optimizer] if optimizer is not None else [], defer=True):
+            # first optimizer step (wrapped_step) or snapshot; the partitions the engine had are freed after
+            # that. That work and the restore's background checks start as the block ends: started earlier, they
+            # take cores from what is left of the restore (on a node with a core per rank, a rank's main thread
+            # then waited 4-40 ms for a core in the few Python lines below).
+            with PrivateAfterLoad(self.snap, inner, [self.engine.module], [optimizer] if optimizer is not None
+                                  else [], defer=True, release=displaced):
                 path, _ = self._load(self.scratch, tag, *a, **kw)
+                if path is None:
+                    raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
+                restore_rng_state(state["rank"]["rng"])
+                extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         finally:
             del self.engine._get_all_ckpt_names
             self.ckpt.serve(None)
-        # Freeing the partitions the engine had (hundreds of MiB of pages) is not for the restore to wait on.
-        pages.pool().submit(displaced.clear)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
-        restore_rng_state(state["rank"]["rng"])
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
-        extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
     def _adopt_partitions(self, files: dict) -> list[torch.Tensor]:
