@@ -102,10 +102,13 @@ class Restorer:
         clock.mark("agree")
         # A rank that landed on another node than its snapshots (a re-queue, a replacement node) finds them on
         # the other SMPs, or in parity, and has its own SMP install them; then everyone looks again.
+        # A rank lacks the step to resume when its newest slot (row[0], NO_STEP: none) is not that step, or when
+        # it holds none while some SMP holds snapshots. Every rank reads every rank's from the rows, so the round
+        # that says whether any rank pulled runs only when some rank lacks (not on a plain restart).
         want = max(max(row[0], row[3]) for row in rows)
-        mine = {c.step for c in local}
-        lacking = (want != NO_STEP and want not in mine) or (not mine and any(row[4] for row in rows))
-        if -snap._agree.min(-int(lacking and self._pull())):
+        holds_any = any(row[4] for row in rows)
+        lacks = [(want != NO_STEP and row[0] != want) or (row[0] == NO_STEP and holds_any) for row in rows]
+        if any(lacks) and -snap._agree.min(-int(lacks[snap.rank] and self._pull())):
             listing = snap._smp.call("list", rank=snap.rank)
             local = self._own_layout(self._candidates(listing["slots"]))
             rows = self._gather_candidates(local, listing)
