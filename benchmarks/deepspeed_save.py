@@ -51,6 +51,7 @@ from peers import dlrover_flash  # imports no DLRover until its checkpointer is 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STAGES = (1, 3)
 MICRO_BATCH = 4
+LOAD_REPEATS = 3  # disk loads and restores per stage, each in fresh processes (phase_load)
 CRASH_EXIT = 17  # how phase_dlrover's processes end so that DLRover's launcher restarts them
 INMEM_KEYS = ("inmem_blocking_s", "inmem_commit_s", "restore_s", "step_overhead_interval1",
               "step_overhead_interval10")
@@ -391,7 +392,7 @@ def measure_inmem(args, adapter) -> dict:
 def phase_load(args) -> dict:
     """One load into a fresh engine, in a process that loaded nothing before (as after a restart): with
     --load-kind disk, DeepSpeed's engine.load_checkpoint of the torch engine's checkpoint; with memory, our
-    restore. The main process runs each kind --load-repeats times, alternating, and takes the medians
+    restore. The main process runs each kind LOAD_REPEATS times, alternating, and takes the medians
     (merge_load_runs). Every figure is the slowest rank's."""
     import torch
     import torch.distributed as dist
@@ -768,7 +769,7 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for a in ("--phase", "--result", "--tag", "--load-kind"):
         p.add_argument(a, default=None, help=argparse.SUPPRESS)
-    for a in ("--stage", "--repeats", "--load-repeats", "--dlrover-restarts", "--warmup", "--base-steps",
+    for a in ("--stage", "--repeats", "--dlrover-restarts", "--warmup", "--base-steps",
               "--i1-steps", "--i10-steps"):
         p.add_argument(a, type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -784,11 +785,11 @@ def main() -> int:
         report.say(f"DLRover rows skipped: {dlrover_missing}")
 
     q = args.quick
-    counts = {"repeats": 2 if q else 3, "load_repeats": 3, "dlrover_restarts": 1, "warmup": 1 if q else 2,
+    counts = {"repeats": 2 if q else 3, "dlrover_restarts": 1, "warmup": 1 if q else 2,
               "base_steps": 3 if q else 5, "i1_steps": 3 if q else 5, "i10_steps": 0 if q else 10}
     stages = [int(s) for s in args.stages.split(",")]
     pypath = os.pathsep.join([x for x in (args.inmem_path, os.path.dirname(HERE)) if x])
-    results = {"quick": q, "repeats": counts["repeats"], "load_repeats": counts["load_repeats"], "stages": {}}
+    results = {"quick": q, "repeats": counts["repeats"], "load_repeats": LOAD_REPEATS, "stages": {}}
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         disk_dir = args.disk_dir or os.path.join(tmp, "disk")
@@ -802,7 +803,7 @@ def main() -> int:
                 for phase in [p for p in ("save", "inmem", "load") if p in args.phases.split(",")]:
                     # The loads in fresh processes every time, as after a restart.
                     runs = []
-                    kinds = ["disk", "memory"] * counts["load_repeats"] if phase == "load" else [""]
+                    kinds = ["disk", "memory"] * LOAD_REPEATS if phase == "load" else [""]
                     for run, kind in enumerate(kinds):
                         result = os.path.join(tmp, f"{phase}{stage}.{run}.json")
                         argv = worker_argv(args, phase, result, stage, disk_dir, counts) + [
