@@ -1,6 +1,7 @@
 """A restore that hands out views (the fast path the adapters use) leaves the framework holding none of the
 slots' shared memory: the views are of a copy-on-write mapping, and what torch's optimizer keeps gets pages
 of its own."""
+import types
 import weakref
 
 import pytest
@@ -112,6 +113,26 @@ def test_a_second_restore_hands_out_the_snapshot_not_what_the_first_restore_trai
             opt3.load_state_dict(state["optim"])
         assert all(torch.equal(a, b) for a, b in zip(tensors(model3, opt3), expected))
         assert all(torch.equal(a, b + 1.0) for a, b in zip(tensors(model2, opt2), expected))
+
+
+def test_a_private_twin_parts_two_tensors_that_shared_one_view(job, smp):
+    """An adapter may let two framework tensors share one restored view for the load (the framework's copy of
+    one into the other then finds the bytes in place) and give one of them a twin afterwards: the same bytes
+    in a fresh copy-on-write mapping. Each gets pages of its own; neither sees the other's writes or the slot
+    being rewritten."""
+    expected = saved(job)
+    with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
+        view = snap.restore(views=True)["model"]["0.weight"]
+        holder = types.SimpleNamespace(low=view, high=snap.private_twin(view))
+        assert holder.high.data_ptr() != view.data_ptr() and torch.equal(holder.high, view)
+        with PrivateAfterLoad(snap, holders=[holder]) as guard:
+            pass
+        assert guard.privatized == 2 * view.numel() * view.element_size()
+        rewrite_slot(job)
+        holder.high.add_(1.0)
+        assert torch.equal(holder.low, expected[0]) and torch.equal(holder.high, expected[0] + 1.0)
+        with pytest.raises(ValueError, match="not a contiguous view"):
+            snap.private_twin(torch.ones(3))
 
 
 def test_pages_become_private_where_the_kernel_refuses_populate_write(job, smp, monkeypatch):

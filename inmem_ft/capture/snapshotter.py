@@ -89,6 +89,16 @@ class _Attached:
         self._private.append((weakref.ref(mapping), out.data_ptr()))
         return out
 
+    def twin(self, view: torch.Tensor) -> torch.Tensor | None:
+        """What `view` shows of one of this slot's copy-on-write mappings, in a fresh one: the same bytes for a
+        second tensor that changes apart from the first, without a copy. None if `view` is not in one."""
+        address, length = view.data_ptr(), view.numel() * view.element_size()
+        for base in self.private_bases():
+            if base <= address and address + length <= base + self.segment.size:
+                start = address - base
+                return self.private()[start: start + length].view(view.dtype).view(view.shape)
+        return None
+
     def private_bases(self) -> set[int]:
         """Base addresses of this slot's copy-on-write mappings still alive (a tensor views each)."""
         self._private = [(ref, base) for ref, base in self._private if ref() is not None]
@@ -390,6 +400,18 @@ class Snapshotter:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""
         return {attached.bytes.untyped_storage().data_ptr() for attached in self._attached.values()} | \
             self.private_mappings()
+
+    def private_twin(self, view: torch.Tensor) -> torch.Tensor:
+        """A contiguous `view` of a copy-on-write slot mapping (a restore with views), as a view of a fresh
+        copy-on-write mapping of the same slot: two framework tensors that start equal and change apart (an
+        adapter let them share one view so that the framework's copy of one into the other was skipped) each
+        get pages of their own from the snapshot, not from each other."""
+        if view.is_contiguous():
+            for attached in self._attached.values():
+                twin = attached.twin(view)
+                if twin is not None:
+                    return twin
+        raise ValueError("private_twin: the tensor is not a contiguous view of a copy-on-write slot mapping")
 
     def private_mappings(self) -> set[int]:
         """Base addresses of the copy-on-write slot mappings (_Attached.private) of this process."""

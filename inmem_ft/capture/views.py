@@ -84,8 +84,9 @@ class PrivateAfterLoad:
         moved, stays = [], []
         for k in kept:
             (stays if k[1].untyped_storage().data_ptr() in cow and k[1].is_contiguous() else moved).append(k)
-        copy = _CopyOut(moved, [(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays],
-                        self.snap.rank, self.release)
+        # a holder may keep one view under two names (ZeRO-3's module partitions and the buffer backing them)
+        ranges = sorted({(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays})
+        copy = _CopyOut(moved, ranges, self.snap.rank, self.release)
         self.copied, self.privatized = copy.nbytes, copy.private_bytes
         if self.defer and kept:
             self.snap.before_change(copy.finish)

@@ -224,7 +224,7 @@ class Handle:
         optimizer = self.engine.optimizer
         inner = [o for o in (optimizer, getattr(optimizer, "optimizer", None)) if isinstance(o, torch.optim.Optimizer)]
         # DeepSpeed's defaults: it loads the optimizer states and relinks the partitions
-        displaced = self._adopt_partitions(state["files"]) if not a and not kw else []
+        displaced, shared = self._adopt_partitions(state["files"]) if not a and not kw else ([], [])
         try:
             # The state views a copy-on-write mapping of the slot; the engine copies parameters into its own
             # tensors (its fp32 partitions already are the views), and torch's optimizer keeps what it is given:
@@ -238,6 +238,8 @@ class Handle:
                 path, _ = self._load(self.scratch, tag, *a, **kw)
                 if path is None:
                     raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
+                for master in shared:
+                    master.data = self.snap.private_twin(master.data)
                 restore_rng_state(state["rank"]["rng"])
                 extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         finally:
@@ -246,13 +248,14 @@ class Handle:
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
         return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
 
-    def _adopt_partitions(self, files: dict) -> list[torch.Tensor]:
+    def _adopt_partitions(self, files: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Point the engine's fp32 master partitions at the restored ones where they match. Those are views of a
         copy-on-write mapping of the slot (Snapshotter.restore with views), so DeepSpeed's load, which copies the
         saved partitions into the engine's, finds them already there and copies nothing (torch's copy_ returns
         at once when source and destination are the same memory); PrivateAfterLoad then gives their pages to
-        this process, behind the first forward/backward. Returns the tensors they had."""
-        optimizer, cow, displaced = self.engine.optimizer, self.snap.private_mappings(), []
+        this process, behind the first forward/backward. Returns the tensors they had, and the masters whose
+        view the module's partitions share for the load (_share_module_partitions)."""
+        optimizer, cow, displaced, shared = self.engine.optimizer, self.snap.private_mappings(), [], []
         for ours, saved_key in FP32_PARTITIONS:
             current = getattr(optimizer, ours, None)
             saved = next((sd["optimizer_state_dict"][saved_key] for sd in files.values()
@@ -265,14 +268,40 @@ class Handle:
                         and theirs.dtype == mine.dtype and theirs.device == mine.device):
                     displaced.append(mine.data)
                     mine.data = theirs.view(mine.shape)
-        return displaced
+            if ours == "fp32_partitioned_groups_flat":
+                had = self._share_module_partitions(current)
+                displaced += had
+                shared += current if had else []
+        return displaced, shared
+
+    def _share_module_partitions(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """ZeRO-3's load then fills the partitions of the module's parameters from the masters: a copy of every
+        parameter, most of the load on a CPU node. Where those partitions are one flat buffer of the master's
+        dtype and device (an fp32 model, one sub-group, parameters not offloaded), the buffer takes the master's
+        view too and that copy also finds the bytes in place; after the load the master gets a mapping of its
+        own (Snapshotter.private_twin), since the two change apart. Returns what the buffer had ([]: not
+        shared; DeepSpeed copies)."""
+        optimizer = self.engine.optimizer
+        flats, buffer = getattr(optimizer, "fp16_partitioned_groups_flat", None), \
+            getattr(optimizer, "lp_param_buffer", None)
+        if not (flats and len(flats) == 1 == len(masters) and isinstance(buffer, torch.Tensor)):
+            return []
+        flat, master = flats[0], masters[0]
+        if (flat is master or master.untyped_storage().data_ptr() not in self.snap.private_mappings()
+                or flat.data_ptr() != buffer.data_ptr() or not flat.shape == buffer.shape == master.shape
+                or flat.dtype != master.dtype or flat.device != master.device):
+            return []
+        had = buffer.data
+        # lp_param_buffer backs the flat (DeepSpeed's offload_states/reload_states re-slice it): both move
+        flat.data = buffer.data = master.data
+        return [had]
 
     def _load_resharded(self, open_source) -> Restored:
         """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
         t0 = time.perf_counter()
-        reshard.check_target(self.engine)
-        rs = open_source()
+        rs = open_source()  # first: the restore may have opened it already, and a refusal below must close it
         try:
+            reshard.check_target(self.engine)
             got = reshard.load(self.engine, rs)
         finally:
             rs.close()
