@@ -269,12 +269,12 @@ class Handle:
                     displaced.append(mine.data)
                     mine.data = theirs.view(mine.shape)
             if ours == "fp32_partitioned_groups_flat":
-                had = self._share_module_partitions(current)
+                had = self._share_module_partitions(current, cow)
                 displaced += had
                 shared += current if had else []
         return displaced, shared
 
-    def _share_module_partitions(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _share_module_partitions(self, masters: list[torch.Tensor], cow: set[int]) -> list[torch.Tensor]:
         """ZeRO-3's load then fills the partitions of the module's parameters from the masters: a copy of every
         parameter, most of the load on a CPU node. Where those partitions are one flat buffer of the master's
         dtype and device (an fp32 model, one sub-group, parameters not offloaded), the buffer takes the master's
@@ -287,7 +287,7 @@ class Handle:
         if not (flats and len(flats) == 1 == len(masters) and isinstance(buffer, torch.Tensor)):
             return []
         flat, master = flats[0], masters[0]
-        if (flat is master or master.untyped_storage().data_ptr() not in self.snap.private_mappings()
+        if (flat is master or master.untyped_storage().data_ptr() not in cow
                 or flat.data_ptr() != buffer.data_ptr() or not flat.shape == buffer.shape == master.shape
                 or flat.dtype != master.dtype or flat.device != master.device):
             return []
