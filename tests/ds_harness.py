@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from inmem_ft.launcher.simulated import free_port
+from inmem_ft.launcher.ports import free_port
 
 IN_DIM, HIDDEN, OUT_DIM = 16, 48, 8
 MICRO_BATCH = 4

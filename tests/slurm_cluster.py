@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 
-from inmem_ft.launcher.simulated import free_port
+from inmem_ft.launcher.ports import free_port
 
 NODES = ("n0", "n1")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")

@@ -5,7 +5,6 @@ source's (`--dump-full` of the example: the trainers' own global tensors, gather
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -13,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from inmem_ft.launcher.ports import free_port
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp.segments import names_with_prefix, unlink
 
@@ -55,12 +55,6 @@ def export(source, fmt: str, out) -> str:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stock(script: str, args: list, world: int, result) -> dict:

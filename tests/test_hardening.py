@@ -24,7 +24,7 @@ from inmem_ft.capture.restore import NoUsableSnapshot
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.cluster import transport
 from inmem_ft.errors import InmemFTError, SMPUnavailable
-from inmem_ft.launcher.simulated import free_port
+from inmem_ft.launcher.ports import free_port
 from inmem_ft.smp import control, inventory, paths, protocol
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.smp.segments import Segment, names_with_prefix, path_of

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from conftest import ROOT
-from inmem_ft.launcher.simulated import free_port
+from inmem_ft.launcher.ports import free_port
 from inmem_ft.telemetry import read_losses
 from inmem_ft.smp import control, paths
 from inmem_ft.smp.segments import names_with_prefix, unlink

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 from slurm_cluster import NODES, SlurmCluster, unavailable
 from test_deepspeed_inmem import ENV, INTERVAL, STEPS, example, reference
-from inmem_ft.launcher.simulated import free_port
+from inmem_ft.launcher.ports import free_port
 from test_launch_scripts import Nodes, script_env
 from inmem_ft.errors import SMPUnavailable
 from inmem_ft.smp import control

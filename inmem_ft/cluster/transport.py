@@ -16,6 +16,7 @@ refused (event=refused) and the connection dropped. Nothing is ever unpickled.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -29,7 +30,7 @@ import time
 
 import numpy as np
 
-from ..errors import InmemFTError
+from ..errors import ConfigError, InmemFTError
 from ..smp import protocol
 from . import mac
 
@@ -240,6 +241,12 @@ def _drop(sock, late: threading.Event) -> None:
         pass  # closed meanwhile
 
 
+class _TCPServer(socketserver.ThreadingTCPServer):
+    # SO_REUSEADDR: an SMP restarted on its port binds at once, though connections of the one before may
+    # linger in TIME_WAIT; a port another process listens on still fails (EADDRINUSE).
+    allow_reuse_address = True
+
+
 class PeerServer:
     """Accepts authenticated peers; `handler(node, header, payload) -> (reply header, reply pieces)`."""
 
@@ -276,8 +283,17 @@ class PeerServer:
                 except (PeerUnavailable, OSError, ValueError, KeyError):
                     pass
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
+        try:
+            self.server = _TCPServer((host, port), Handler)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ConfigError(f"peer port {host}:{port} of node {node} is in use by another process (`ss -ltnp "
+                                  f"'sport = :{port}'` names it): stop that process, or give node {node} another "
+                                  f"port in --peers") from None
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"peer address {host}:{port} of node {node} is not an address of this host: "
+                                  f"check node {node}'s entry in --peers") from None
+            raise
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                        name="inmem_ft-peer-server", daemon=True)

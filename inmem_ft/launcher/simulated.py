@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,27 +20,10 @@ from ..cluster.options import ECOptions
 from ..smp import control, inventory, paths
 from ..telemetry import read_record
 from . import worker
+from .ports import free_port
 from .standby import StandbyPool
 
 WORKERS = ("plain", "cold", "standby")
-
-
-def free_port(count: int = 1) -> int:
-    """The first of `count` consecutive ports free now, below the kernel's ephemeral range. Simulated jobs
-    listen on their ports again after a restart (torchrun's store, the SMPs' peer ports); a port from the
-    ephemeral range may meanwhile be some other process's outgoing connection, and the bind fails with
-    EADDRINUSE (seen on busy hosts)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
-    while True:
-        first = random.randrange(10000, ephemeral - count)
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
 
 
 @dataclass
@@ -94,7 +75,8 @@ class SimulatedCluster:
         os.makedirs(log_dir, exist_ok=True)
         self.hosts = hosts or ["127.0.0.1"] * nodes
         self.smp_prefix = smp_prefix or (lambda node: [])
-        self.peers = ",".join(f"{n}={self.hosts[n]}:{free_port()}" for n in range(nodes))
+        first = free_port(nodes)  # one block, reserved until this process exits: no two nodes share a port
+        self.peers = ",".join(f"{n}={self.hosts[n]}:{first + n}" for n in range(nodes))
         self.ec = None if parity is None else ECOptions(parity, nodes, self.peers, group_size, bandwidth=ec_bandwidth)
         self.smp_args = [str(a) for a in smp_args]
 
@@ -122,8 +104,16 @@ class SimulatedCluster:
                                                     *self.smp_args], env=self.env, prefix=self.smp_prefix(node))
 
     def start(self) -> "SimulatedCluster":
-        for node in range(self.nodes):
-            self.start_smp(node)
+        """Start every node's SMP; if one fails, stop those already started and raise its error."""
+        try:
+            for node in range(self.nodes):
+                self.start_smp(node)
+        except BaseException:
+            try:
+                self.stop()
+            except Exception as e:  # the start's error is the one to report; this one only follows it
+                print(f"[inmem_ft] stopping the SMPs after a failed start: {e}", file=sys.stderr)
+            raise
         return self
 
     def kill_smp(self, node: int) -> None:
@@ -151,8 +141,9 @@ class SimulatedCluster:
         for node in list(self.smps):
             try:
                 control.stop(self.socket_path(node), wipe=wipe)
-                self.smps.pop(node).wait(timeout=10)
-            except Exception:
+                self.smps[node].wait(timeout=10)
+                del self.smps[node]
+            except Exception:  # not stopped in time (or not answering): kill it, before its files are wiped
                 self.kill_smp(node)
             if wipe:
                 self.wipe_node(node)
