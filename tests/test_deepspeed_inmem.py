@@ -31,7 +31,7 @@ def reference(stage, dtype, tmp_path_factory):
         old = os.environ.get("INMEM_FT_RUNTIME_DIR")
         os.environ["INMEM_FT_RUNTIME_DIR"] = str(tmp / "run")
         try:
-            with SimulatedCluster(2, 2, f"ref{stage}{dtype}", 256 << 20, str(tmp / "logs"), env=ENV) as c:
+            with SimulatedCluster(2, 2, f"ref{stage}{dtype}{os.getpid()}", 256 << 20, str(tmp / "logs"), env=ENV) as c:
                 attempt = c.run(example(stage, dtype) + ["--loss-log", str(tmp / "loss.jsonl")])
                 assert attempt.ok, c.rank_log(attempt.number, attempt.first_failure or 0)[-4000:]
         finally:

@@ -29,7 +29,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     os.environ["INMEM_FT_RUNTIME_DIR"] = str(tmp / "run")
     try:
-        with SimulatedCluster(2, 2, "reference", 64 << 20, str(tmp / "logs")) as c:
+        with SimulatedCluster(2, 2, f"reference{os.getpid()}", 64 << 20, str(tmp / "logs")) as c:
             attempt = c.run(EXAMPLE + ["--loss-log", str(tmp / "loss.jsonl")])
             assert attempt.ok, c.rank_log(attempt.number, 0)
     finally:
