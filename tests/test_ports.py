@@ -4,7 +4,6 @@ restarted on its port binds again at once."""
 import fcntl
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
