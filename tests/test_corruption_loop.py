@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -116,6 +117,26 @@ def _worker(job: str, seed: int, trials: int, restarts: int) -> None:
         print(json.dumps({str(k): v for k, v in outcomes.items()}))
     finally:
         control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+def test_a_failed_run_is_raised_only_once_the_others_stopped():
+    """The mechanism: the runs still reading when one fails are stopped and waited for, not left running."""
+    from inmem_ft import pages
+    from inmem_ft.errors import SnapshotCorrupt
+
+    stop, ended = threading.Event(), []
+
+    def run(i):
+        if i == 0:
+            time.sleep(0.05)
+            raise SnapshotCorrupt("bad region")
+        stop.wait(30)  # a run that would copy on: it ends at its next piece once stopped
+        time.sleep(0.05)
+        ended.append(i)
+
+    with pytest.raises(SnapshotCorrupt, match="bad region"):
+        pages.run_all(run, range(3), stop)
+    assert sorted(ended) == [1, 2]
 
 
 def _busy() -> subprocess.Popen:
