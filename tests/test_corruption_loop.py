@@ -5,7 +5,7 @@ the checksummed bytes (header fields, manifest, tensor regions) of the newest sl
 open a fresh Snapshotter, restore(), close it, put the pristine bytes back; now and then the SMP is killed
 with SIGKILL and started again. A busy-loop process loads a core meanwhile. A restore used to return at
 the first run of its checks that failed while the other runs still copied out of the slot, and the close()
-that followed unmapped the slot under them: SIGSEGV, in 4 of 5 worker runs of 100 trials here.
+that followed unmapped the slot under them: SIGSEGV, in each of 6 worker runs of 70 trials here.
 """
 import json
 import logging
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 BUDGET = 64 << 20
-SIZES = [3 << 19, 32 << 10, 1 << 20, 2 << 20, 1 << 19, 3 << 19]  # float32 elements: regions of 128 KiB-8 MiB
-RUNS, TRIALS, RESTARTS = 3, 80, 2
+SIZES = [32 << 10, 1 << 19, 1 << 20, 2 << 20, 3 << 20]  # float32: 128 KiB-12 MiB, checked in two runs
+RUNS, TRIALS, RESTARTS = 3, 70, 2
 KINDS = ["header", "manifest", "tensor"]
 
 
@@ -74,7 +74,7 @@ def _worker(job: str, seed: int, trials: int, restarts: int) -> None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
                 proc = control.start(job, 0, BUDGET)
-            hit = rng.choice([[10], [5], [10, 5], [10, 5], []])
+            hit = rng.choice([[10], [5], [10, 5], [10, 5], [10, 5], []])  # both: where the crash was
             flips = {}
             for step in hit:
                 kind = rng.choices(KINDS, weights=[1, 1, 3])[0]
