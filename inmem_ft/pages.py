@@ -51,8 +51,8 @@ def run_all(fn, items, stop: threading.Event | None = None) -> None:
 
 def wait_all(futures: list[Future], stop: threading.Event | None = None) -> None:
     """Wait until every one of `futures` has ended, then raise the first failure. Not at the first failure:
-    each reads memory its caller unmaps or reuses once this returns (a restore that falls back closes the
-    slot it checked), and a copy still running there is a SIGSEGV. At a failure or an interruption the
+    each reads memory its caller may unmap or reuse once this returns (a restore that falls back lets go of
+    the slot it checked), and a copy still running there is a SIGSEGV. At a failure or an interruption the
     queued ones are cancelled and `stop` is set, which the running ones check between pieces to end early."""
     try:
         wait(futures, return_when=FIRST_EXCEPTION)

@@ -272,8 +272,8 @@ class Snapshotter:
 
     def reading(self, work) -> None:
         """`work` reads this process's slot mappings in the background until its `stop()` returns (which ends
-        it early or waits for it): close() calls that before it unmaps them, even where the fence that
-        normally waits for the work was skipped or interrupted, since a read of an unmapped slot is a SIGSEGV."""
+        it early or waits for it). close() calls that, even where the fence that normally waits for the work
+        was skipped or interrupted: once close() returns, nothing of this Snapshotter reads a slot any more."""
         self._readers.add(work)
 
     def after_load(self, start) -> None:

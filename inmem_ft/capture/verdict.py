@@ -102,8 +102,8 @@ class DeferredChecks:
         self._vote_s = time.perf_counter() - t1
 
     def stop(self) -> None:
-        """End the checks early (they fail) and wait until they no longer read the slot: its Snapshotter
-        unmaps it next. The vote that follows reads nothing of it."""
+        """End the checks early (they then fail) and wait until they no longer read the slot: its Snapshotter
+        is closing (Snapshotter.reading). The vote that follows reads nothing of the slot."""
         self._stop.set()
         with self._reading:
             pass

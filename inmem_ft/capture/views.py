@@ -149,7 +149,7 @@ class _CopyOut:
         self._owned, self._seconds = owned, time.perf_counter() - t0
 
     def stop(self) -> None:
-        """Wait for the background copies: they read the slots their Snapshotter unmaps next."""
+        """Wait for the background copies, which read the slots: their Snapshotter is closing."""
         if self._thread is not None:
             self._thread.join()
 

@@ -174,7 +174,7 @@ def check_regions(data, todo: list, where: str, step: int, workers: int = COPY_W
                   stop: threading.Event | None = None) -> None:
     """Check the regions `todo` (as regions() lists them) of a slot's data bytes where they lie, on the memory
     pool's threads; raises SnapshotCorrupt naming a bad region, or one past the data. `stop`, once set, ends
-    the checks early (InmemFTError): the slot is about to be unmapped."""
+    the checks early (InmemFTError): the slot's owner is letting go of it."""
     _run(data, None, todo, where, step, workers, stop)
 
 
