@@ -11,7 +11,7 @@ import ctypes
 import ctypes.util
 import mmap
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -37,6 +37,34 @@ def pool() -> ThreadPoolExecutor:
             for future in [_pool.submit(started.wait) for _ in range(WORKERS)]:
                 future.result()
         return _pool
+
+
+def run_all(fn, items, stop: threading.Event | None = None) -> None:
+    """fn(item) for every item on the pool, side by side; returns once every call ended (wait_all)."""
+    futures = []
+    try:
+        for item in items:
+            futures.append(pool().submit(fn, item))
+    finally:  # a submit refused at interpreter exit: the calls already submitted still end first
+        wait_all(futures, stop)
+
+
+def wait_all(futures: list[Future], stop: threading.Event | None = None) -> None:
+    """Wait until every one of `futures` has ended, then raise the first failure. Not at the first failure:
+    each reads memory its caller may unmap or reuse once this returns (a restore that falls back lets go of
+    the slot it checked), and a copy still running there is a SIGSEGV. At a failure or an interruption the
+    queued ones are cancelled and `stop` is set, which the running ones check between pieces to end early."""
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+    finally:
+        if stop is not None and not all(f.done() for f in futures):
+            stop.set()
+        for future in futures:
+            future.cancel()
+        wait(futures)
+    for future in futures:
+        if not future.cancelled():  # cancelled: queued behind the failure
+            future.result()
 
 
 def advise(address: int, length: int, advice: int) -> bool:

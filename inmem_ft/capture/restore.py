@@ -280,6 +280,7 @@ class Restorer:
         snap.resumed(info)
         if later is not None:
             snap.before_change(later)
+            snap.reading(later)
             later.arm()
             if verdict.spare_cores():
                 later.start()

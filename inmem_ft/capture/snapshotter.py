@@ -112,9 +112,11 @@ class _Attached:
         return self
 
     def close(self) -> None:
+        # Not Segment.close(): torch.frombuffer holds no buffer export, so that munmap would go through under
+        # a tensor still viewing the slot (work not yet ended, a view the caller kept), whose next read is a
+        # SIGSEGV. Each tensor holds the memoryview, which holds the mmap: the mapping goes with the last one.
         del self.bytes
         self._private = []  # each mapping goes with the last tensor that views it
-        self.segment.close()
 
 
 class Snapshotter:
@@ -138,6 +140,7 @@ class Snapshotter:
         self._fence_work = None
         self._before_change = []  # run at the next fence (a restore's copy-out and checks behind forward/backward)
         self._after_load = []  # started once the framework's load from a restore's views is done
+        self._readers = weakref.WeakSet()  # background work reading the slot mappings (see reading())
         self._failed: BaseException | None = None  # what a fence found: the state must not change any more
         self._copied = threading.Event()
         self._complete: int | None = None
@@ -266,6 +269,12 @@ class Snapshotter:
     def before_change(self, finish) -> None:
         """Call `finish()` at the next fence(), before the state next changes or is snapshotted."""
         self._before_change.append(finish)
+
+    def reading(self, work) -> None:
+        """`work` reads this process's slot mappings in the background until its `stop()` returns (which ends
+        it early or waits for it). close() calls that, even where the fence that normally waits for the work
+        was skipped or interrupted: once close() returns, nothing of this Snapshotter reads a slot any more."""
+        self._readers.add(work)
 
     def after_load(self, start) -> None:
         """Call `start()` at loaded(): background work that would only slow the framework's load."""
@@ -435,6 +444,8 @@ class Snapshotter:
                 self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            for work in list(self._readers):
+                work.stop()
             for attached in self._attached.values():
                 attached.close()
             self._attached.clear()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -68,6 +69,7 @@ class DeferredChecks:
         self._vote_error: BaseException | None = None
         self._seconds, self._vote_s = 0.0, 0.0
         self._failed: RestoreCorrupt | None = None
+        self._stop, self._reading = threading.Event(), threading.Lock()  # see stop()
 
     def arm(self) -> None:
         """Start the thread that will check and vote, before the framework's load (capture/armed.py)."""
@@ -85,8 +87,9 @@ class DeferredChecks:
         try:
             # One thread where the node has no core to spare: the rank's main thread, training behind these
             # checks, then shares its core with one thread of them, not with one per worker.
-            seg.check_regions(self.data, self.todo, self.where, self.step,
-                              workers=seg.COPY_WORKERS if spare_cores() else 1)
+            with self._reading:
+                seg.check_regions(self.data, self.todo, self.where, self.step,
+                                  workers=seg.COPY_WORKERS if spare_cores() else 1, stop=self._stop)
         except Exception as e:  # whatever it is, this rank must still vote
             self._problem = e
         t1 = time.perf_counter()
@@ -97,6 +100,13 @@ class DeferredChecks:
         except BaseException as e:  # raised at the fence
             self._vote_error = e
         self._vote_s = time.perf_counter() - t1
+
+    def stop(self) -> None:
+        """End the checks early (they then fail) and wait until they no longer read the slot: its Snapshotter
+        is closing (Snapshotter.reading). The vote that follows reads nothing of the slot."""
+        self._stop.set()
+        with self._reading:
+            pass
 
     def __call__(self) -> None:
         """Wait for this rank's checks and the vote; raise RestoreCorrupt on every rank if any rank found a bad

@@ -90,6 +90,7 @@ class PrivateAfterLoad:
         self.copied, self.privatized = copy.nbytes, copy.private_bytes
         if self.defer and kept:
             self.snap.before_change(copy.finish)
+            self.snap.reading(copy)
             copy.start(self._armed)
         else:
             if self._armed is not None:
@@ -143,9 +144,14 @@ class _CopyOut:
             flat_dst, flat_src = own.view(-1), view.reshape(-1)
             pieces += [(flat_dst[a: a + PIECE], flat_src[a: a + PIECE]) for a in range(0, flat_dst.numel(), PIECE)]
             owned.append(own)
-        list(pages.pool().map(lambda pair: pair[0].copy_(pair[1]), pieces))
+        pages.run_all(lambda pair: pair[0].copy_(pair[1]), pieces)  # all end before a failure is raised
         self.release.clear()
         self._owned, self._seconds = owned, time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Wait for the background copies, which read the slots: their Snapshotter is closing."""
+        if self._thread is not None:
+            self._thread.join()
 
     def finish(self) -> None:
         """Wait for the copies (background ones), then put them where the framework keeps the views."""

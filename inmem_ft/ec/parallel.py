@@ -9,6 +9,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from threading import Lock
 
+from .. import pages
+
 WORKERS = max(1, min(4, os.cpu_count() or 1))
 MIN_PIECE = 1 << 20  # below this many bytes per piece, handing work to a thread costs more than it saves
 _ALIGN = 64  # pieces start on a cache line, as ISA-L's SIMD loads like
@@ -43,6 +45,5 @@ def run(fn, length: int, workers: int = WORKERS) -> None:
     futures = [_executor().submit(fn, a, b) for a, b in todo[1:]]
     try:
         fn(*todo[0])
-    finally:
-        for f in futures:
-            f.result()
+    finally:  # every piece ends first: a failure makes the caller drop the parity segment they write into
+        pages.wait_all(futures)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import struct
-from concurrent.futures import Future
+import threading
 from dataclasses import dataclass
 
-
 from .. import pages
-from ..errors import SnapshotCorrupt, UnknownFormat
+from ..errors import InmemFTError, SnapshotCorrupt, UnknownFormat
 from .checksum import checksum, to_hex
 
 MAGIC = b"INMEMFT1"
@@ -161,7 +160,7 @@ def copy_verified(data, manifest: dict, where: str, step: int, workers: int = CO
     import torch
 
     out = torch.empty(data.numel(), dtype=torch.uint8)
-    _wait(_start_runs(data, out, regions(manifest), where, step, workers))
+    _run(data, out, regions(manifest), where, step, workers)
     return out
 
 
@@ -171,10 +170,12 @@ def verify_data(data, manifest: dict, where: str, step: int, workers: int = COPY
     check_regions(data, regions(manifest), where, step, workers)
 
 
-def check_regions(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS) -> None:
+def check_regions(data, todo: list, where: str, step: int, workers: int = COPY_WORKERS,
+                  stop: threading.Event | None = None) -> None:
     """Check the regions `todo` (as regions() lists them) of a slot's data bytes where they lie, on the memory
-    pool's threads; raises SnapshotCorrupt naming a bad region, or one past the data."""
-    _wait(_start_runs(data, None, todo, where, step, workers))
+    pool's threads; raises SnapshotCorrupt naming a bad region, or one past the data. `stop`, once set, ends
+    the checks early (InmemFTError): the slot's owner is letting go of it."""
+    _run(data, None, todo, where, step, workers, stop)
 
 
 def check_bounds(data, todo: list, where: str, step: int) -> None:
@@ -182,19 +183,15 @@ def check_bounds(data, todo: list, where: str, step: int) -> None:
         raise SnapshotCorrupt(f"{where}: step {step} {todo[-1][3]} lies past the slot's data")
 
 
-def _wait(futures: list[Future]) -> None:
-    for future in futures:
-        future.result()
-
-
-def _start_runs(data, out, todo: list, where: str, step: int, workers: int) -> list[Future]:
+def _run(data, out, todo: list, where: str, step: int, workers: int, stop: threading.Event | None = None) -> None:
     """Split the regions into `workers` runs of about equal bytes, checked (and copied into `out`, if given)
-    side by side: hashing and copying release the GIL, and fresh memory's page faults scale with threads."""
+    side by side: hashing and copying release the GIL, and fresh memory's page faults scale with threads.
+    Returns only once every run has ended (pages.wait_all): the caller may unmap `data` right after."""
     import os
 
     check_bounds(data, todo, where, step)
     if not todo:
-        return []
+        return
     runs, total, acc = [[]], sum(end - start for start, end, _, _ in todo), 0
     share = total / max(1, min(workers, os.cpu_count() or 1))
     for region in todo:
@@ -202,18 +199,24 @@ def _start_runs(data, out, todo: list, where: str, step: int, workers: int) -> l
             runs.append([])
         runs[-1].append(region)
         acc += region[1] - region[0]
-    return [pages.pool().submit(_check_run, data, out, run, where, step) for run in runs]
+    stopped = threading.Event() if stop is None else stop
+    pages.run_all(lambda run: _check_run(data, out, run, where, step, stopped), runs, stopped)
+    if stopped.is_set():  # no run failed (that would have been raised), so `stop` was set by the caller's owner
+        raise InmemFTError(f"{where}: the checks of step {step} were stopped before they ended")
 
 
-def _check_run(data, out, run: list, where: str, step: int) -> None:
+def _check_run(data, out, run: list, where: str, step: int, stop: threading.Event) -> None:
     """Hash bytes [first region's start, last region's end) piece by piece; with `out`, copy each piece there
-    first and hash the copy while it is in cache."""
+    first and hash the copy while it is in cache. Ends early, quietly, once `stop` is set (another run failed,
+    or the slot's owner is closing it)."""
     import xxhash
 
     view = (data if out is None else out).numpy()
     i, partial = 0, None
     lo, hi = run[0][0], run[-1][1]
     for a in range(lo, hi, COPY_PIECE):
+        if stop.is_set():
+            return
         b = min(hi, a + COPY_PIECE)
         if out is not None:
             out[a:b].copy_(data[a:b])
