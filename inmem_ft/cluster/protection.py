@@ -181,8 +181,35 @@ class Protector:
         group = {"members": self.members, "lens": lens, "padded": padded,
                  "ranks": sorted(self.smp.committed_views(step))}
         with self.smp.lock:
-            if step in self.sets:
-                self.sets.pop(step).drop()
+            ps = self.sets.get(step)
+            if ps is not None and ps.state == BUILT and all(ps.record.get(key) == v for key, v in group.items()):
+                # Built from these very bytes before a restart cut its protection off: the group only has to
+                # finish; encoding it again would leave this member without parity of the step meanwhile.
+                log.info("ec node=%d event=reuse parity step=%d state=built", self.node, step)
+                reused = True
+            else:
+                reused = False
+                if ps is not None:
+                    self.sets.pop(step).drop()
+        if not reused:
+            ps = self._encode(step, cs, group)
+        self._wait_group_built(step, peer_failed_grace_s)
+        with self.smp.lock:
+            if self.sets.get(step) is not ps:
+                raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
+                                   f"from an older step)")
+            ps.seal(PROTECTED)
+            self.protected = step
+            self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
+            for old in [s for s in self.sets if s < step]:
+                self.sets.pop(old).drop()
+            self.smp.release_moved(step)
+        log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
+                 self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
+
+    def _encode(self, step: int, cs: int, group: dict) -> ParitySet:
+        """This node's parity chunks of `step`, pulled and encoded into a new parity set, sealed built."""
+        with self.smp.lock:
             need = paritystore.RECORD + self.groups.m * cs
             if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
@@ -202,19 +229,7 @@ class Protector:
                     data = [f.result() for f in pulls]
                     stripe_parity(self.layout, stripe, data, [p], [ps.chunk(i)[a: a + n]])
         ps.seal(BUILT)
-        self._wait_group_built(step, peer_failed_grace_s)
-        with self.smp.lock:
-            if self.sets.get(step) is not ps:
-                raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
-                                   f"from an older step)")
-            ps.seal(PROTECTED)
-            self.protected = step
-            self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
-            for old in [s for s in self.sets if s < step]:
-                self.sets.pop(old).drop()
-            self.smp.release_moved(step)
-        log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
-                 self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
+        return ps
 
     def _read(self, node: int, step: int, offset: int, into: np.ndarray) -> np.ndarray:
         return self.clients[node].call({"op": "node_read", "step": step, "off": offset, "len": into.nbytes},
