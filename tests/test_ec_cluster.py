@@ -32,9 +32,9 @@ def make_cluster(job, runtime, m):
     return SimulatedCluster(G, RANKS_PER_NODE, job, 64 << 20, str(runtime / "logs"), parity=m).start()
 
 
-def write_step(cluster, step, seed=0, size=50_000, complete=range(G)):
+def write_step(cluster, step, seed=0, size=50_000, complete=None):
     """Commit `step` on every rank with random tensor bytes of a per-rank size, then declare it complete on the
-    nodes of `complete`."""
+    nodes of `complete` (default every node)."""
     rng = np.random.default_rng(seed + step)
     for rank in range(cluster.world_size):
         n = size + 7919 * rank  # unequal nodes: exercises the padding
@@ -54,7 +54,7 @@ def write_step(cluster, step, seed=0, size=50_000, complete=range(G)):
             client.call("commit", rank=rank, step=step)
         finally:
             client.close()
-    for node in complete:
+    for node in range(cluster.nodes) if complete is None else complete:
         control.call(cluster.socket_path(node), "complete", step=step)
 
 
