@@ -32,8 +32,9 @@ def make_cluster(job, runtime, m):
     return SimulatedCluster(G, RANKS_PER_NODE, job, 64 << 20, str(runtime / "logs"), parity=m).start()
 
 
-def write_step(cluster, step, seed=0, size=50_000):
-    """Commit `step` on every rank with random tensor bytes of a per-rank size, then declare it complete."""
+def write_step(cluster, step, seed=0, size=50_000, complete=None):
+    """Commit `step` on every rank with random tensor bytes of a per-rank size, then declare it complete on the
+    nodes of `complete` (default every node)."""
     rng = np.random.default_rng(seed + step)
     for rank in range(cluster.world_size):
         n = size + 7919 * rank  # unequal nodes: exercises the padding
@@ -53,7 +54,7 @@ def write_step(cluster, step, seed=0, size=50_000):
             client.call("commit", rank=rank, step=step)
         finally:
             client.close()
-    for node in range(cluster.nodes):
+    for node in range(cluster.nodes) if complete is None else complete:
         control.call(cluster.socket_path(node), "complete", step=step)
 
 
@@ -178,11 +179,55 @@ def test_resuming_from_an_older_step_discards_newer_parity(job, runtime):
         wait_protected(cluster, 2)
         for rank in range(cluster.world_size):  # the job resumed from step 1 (say step 2 was corrupt on a rank)
             control.call(cluster.socket_path(cluster.node_of(rank)), "restored", rank=rank, step=1)
-        assert control.call(cluster.socket_path(0), "status")["ec"]["protected_step"] is None
+        assert control.call(cluster.socket_path(0), "status")["ec"]["protected_step"] != 2
+        wait_protected(cluster, 1)  # its parity was dropped once step 2 was protected: the step resumed from
         write_step(cluster, 2, seed=7)  # step 2 again, other bytes: it must be protected anew
         wait_protected(cluster, 2)
         original = protected_bytes(cluster, 3)
         replace(cluster, (3,))
         assert protected_bytes(cluster, 3) == original
+    finally:
+        cluster.stop()
+
+
+def test_a_step_resumed_from_that_no_complete_named_is_protected(job, runtime):
+    """Issue 23: every rank committed step 2, but a rank died before the job's agreement that it is complete, so no
+    SMP was told; the restart resumes from step 2. It is protected then, and a node lost next is rebuilt at it."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        wait_protected(cluster, 1)
+        write_step(cluster, 2, complete=())
+        for rank in range(cluster.world_size):
+            control.call(cluster.socket_path(cluster.node_of(rank)), "restored", rank=rank, step=2)
+        wait_protected(cluster, 2)
+        assert "event=protect step=2 reason=the job resumed from step 2" in open(cluster.smp_log(0)).read()
+        original = protected_bytes(cluster, 3)
+        replace(cluster, (3,))
+        assert protected_bytes(cluster, 3) == original and "rank6.step2" in original
+    finally:
+        cluster.stop()
+
+
+def test_an_smp_restarted_with_its_complete_step_unprotected_protects_it(job, runtime):
+    """Node 0 was told step 2 is complete and built its parity, then its SMP died before the rest of its group
+    caught up: the SMP started again protects its complete step (reusing the parity it had built)."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        wait_protected(cluster, 1)
+        write_step(cluster, 2, complete=(0,))
+        deadline = time.monotonic() + 60
+        while control.call(cluster.socket_path(0), "status")["ec"]["parity_steps"].get("2") != "built":
+            assert time.monotonic() < deadline, "node 0 did not build its parity of step 2"
+            time.sleep(0.05)
+        cluster.kill_smp(0)
+        cluster.start_smp(0)
+        for node in range(1, G):
+            control.call(cluster.socket_path(node), "complete", step=2)
+        wait_protected(cluster, 2)
+        log = open(cluster.smp_log(0)).read()
+        assert "event=protect step=2 reason=step 2 is complete but not protected when this SMP started" in log
+        assert "event=reuse parity step=2 state=built" in log
     finally:
         cluster.stop()

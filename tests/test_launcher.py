@@ -142,3 +142,77 @@ def test_make_demo_twice_in_the_same_folder_reports_each_run_truthfully(runtime)
         for split in timeline["time_lost"]:
             assert_split_adds_up(split)
         assert "time lost per failure (s)" in out.stdout
+
+
+KILLED_AT_COMMIT = """
+import os, signal, time
+import inmem_ft
+from inmem_ft.examples import plain_pytorch
+from inmem_ft.smp import control, paths
+from inmem_ft.smp.client import SMPClient
+
+NODES, RANKS, STEP, VICTIM = 2, 4, 10, 3
+ATTEMPT = os.environ["INMEM_FT_ATTEMPT"]
+call = SMPClient.call
+
+
+def committed_everywhere():
+    held = set()
+    for node in range(NODES):
+        for r in control.call(paths.default_socket(os.environ["INMEM_FT_JOB"], node), "status")["ranks"]:
+            if any(s["state"] == "committed" and s["step"] == STEP for s in r["slots"]):
+                held.add(r["rank"])
+    return held == set(range(RANKS))
+
+
+def call_then_die(self, op, **fields):
+    reply = call(self, op, **fields)
+    if ATTEMPT == "1" and op == "commit" and fields["rank"] == VICTIM and fields["step"] == STEP:
+        while not committed_everywhere():  # every rank holds the step; the agreement that it is complete never runs
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return reply
+
+
+SMPClient.call = call_then_die
+if ATTEMPT == "2":  # back from STEP: a few tenths of a second until the node loss, as a real step would take
+    report = inmem_ft.report_loss
+
+    def paced(*args, **kwargs):
+        report(*args, **kwargs)
+        time.sleep(0.2)
+
+    inmem_ft.report_loss = paced
+plain_pytorch.main()
+"""
+
+
+def test_a_step_resumed_from_that_no_complete_named_is_protected_before_the_next_node_loss(runtime, job):
+    """Issue 23: rank 3 killed right at the snapshot of step 10 (every rank committed it, the job's agreement that
+    it is complete never ran, so no SMP was told); the restart resumes from step 10. Its SMPs protect it at once
+    (the timeline says from when), so node 1, lost before the next snapshot, is rebuilt at step 10, not step 5."""
+    script = runtime / "train.py"
+    script.write_text(KILLED_AT_COMMIT)
+    work = runtime / "launch"
+    out = subprocess.run(
+        [sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir", str(work), "--parity", "1",
+         "--no-compare", "--kill-node", "13:1", "--", str(script), "--steps", "14", "--interval", "5"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = json.loads((work / "timeline.json").read_text())["events"]
+    at = {kind: [e for e in events if e["kind"] == kind] for kind in {e["kind"] for e in events}}
+    detected = [e["text"] for e in at["detected"]]
+    assert detected[0].startswith("rank 3 exited with -9;") and "exited with -9" in detected[1], out.stdout
+    assert [e["step"] for e in at["restore"]] == [None, 10, 10], out.stdout
+    assert "memory" in at["restore"][1]["text"] and "peer reconstruction" in at["restore"][2]["text"]
+    assert [e["text"] for e in at["rebuild"]][0].startswith("node 1 rebuilding from its EC group: step=10 ")
+    assert "ec failed" not in at
+    # Step 5 protected on its `complete`; step 10 once the job resumed from it, before node 1 was lost.
+    assert [e["step"] for e in at["protected"]] == [5, 10], out.stdout
+    resumed = at["protected"][1]
+    assert "[protected because the job resumed from step 10]" in resumed["text"]
+    assert at["restore"][1]["t"] <= resumed["t"] <= at["failure"][0]["t"]
+    assert f"step 10 protected on every node since {resumed['t']:.1f} s" in at["detected"][1]["text"]
+    splits = json.loads((work / "timeline.json").read_text())["time_lost"]
+    assert [(s["protected_step"], s["restored_step"]) for s in splits] == [(5, 10), (10, 10)]
+    assert "protected   step 10 on every node" in out.stdout

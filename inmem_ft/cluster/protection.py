@@ -4,7 +4,11 @@ Runs inside the SMP, beside its control socket, in background threads:
 - protect(step), after the job declares a step complete: every node pulls, for each stripe it holds
   parity for, the k data chunks from their nodes in pieces, encodes its parity chunk into its own shared
   memory and seals it (built). The step is *protected* once every member reports it built; then the
-  parity of older steps is dropped and the daemon may overwrite their slots.
+  parity of older steps is dropped and the daemon may overwrite their slots. The newest complete step is
+  protected whenever it is not yet, not only when a `complete` asks for it: after the job resumes from a
+  step (a trainer killed between its commit and the job's agreement leaves a step every rank holds that no
+  `complete` ever named, and the restart resumes from it), and after an SMP restart that adopted a complete
+  step its predecessor had not protected. Each node logs `event=protected step=N` once the group has it.
 - rebuild, when an SMP starts with empty memory and its peers hold parity: it streams the survivors'
   chunks in pieces, decodes its node data and parity straight into its segments and installs its ranks'
   slots once they verify (cluster/rebuild.py).
@@ -35,6 +39,10 @@ from .transport import MAX_PAYLOAD, PeerUnavailable
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
 BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finish a step's parity
+# How long a protection the job's restart asked for keeps waiting on a member that reports the step failed:
+# each member's trainers reset that (restored) within moments of each other, and the member that asks first
+# must not take a failure from before the restart for the member's answer now.
+PEER_FAILED_GRACE_S = 5.0
 
 
 class Protector:
@@ -64,6 +72,8 @@ class Protector:
         self.lag_s: float | None = None
         self.completed_at: dict[int, float] = {}
         self.wanted: int | None = None
+        self.why: str = "complete"  # why `wanted` is wanted, for the log line of a protection that is not routine
+        self._epoch = 0  # bumped by restored(): a failure of a protection begun before says nothing of now
         self.rebuild_done = threading.Event()
         self.rebuild_error: str | None = None
         self._wake = threading.Condition()
@@ -94,7 +104,7 @@ class Protector:
         """The job declared `step` complete (called under the SMP lock)."""
         self.completed_at.setdefault(step, time.time())
         with self._wake:
-            self.wanted = step
+            self.wanted, self.why = step, "complete"
             self._wake.notify()
 
     def restored(self, step: int | None) -> None:
@@ -106,6 +116,29 @@ class Protector:
         done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
         self.protected = max(done) if done else None
         self.failed = None
+        self._epoch += 1
+        # The step resumed from is the newest complete one now: protect it unless it is already (a trainer
+        # killed between its commit and the job's agreement leaves one that no `complete` ever named).
+        self._want_held(step, f"the job resumed from step {step}")
+
+    def _want_held(self, step: int | None, why: str) -> None:
+        """Protect `step` next if every rank that runs here holds it committed and it is not protected (called
+        under the SMP lock); else protect nothing until the next `complete`."""
+        if step is not None and step not in self.smp.complete_steps_held():
+            step = None
+        if step is not None and step != self.protected:
+            self.completed_at.setdefault(step, time.time())
+        with self._wake:
+            self.wanted, self.why = step, why
+            self._wake.notify()
+
+    def resume(self) -> None:
+        """At start, once any rebuild is done: the job's complete step this SMP adopted (its predecessor stopped
+        before protecting it, or while protecting it) is protected now."""
+        with self.smp.lock:
+            step = self.smp.complete_step
+            if step is not None and step != self.protected:
+                self._want_held(step, f"step {step} is complete but not protected when this SMP started")
 
     def status(self) -> dict:
         return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
@@ -119,23 +152,27 @@ class Protector:
     # ---- protecting ------------------------------------------------------------------------------------
     def _run(self) -> None:
         self._rebuild_if_empty()
+        self.resume()
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self.wanted is not None and self.wanted != self.failed
                                     and (self.protected is None or self.wanted > self.protected))
-                step = self.wanted
+                step, why, epoch = self.wanted, self.why, self._epoch
+            if why != "complete":
+                log.info("ec node=%d event=protect step=%d reason=%s", self.node, step, why)
             try:
-                self.protect(step)
+                self.protect(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0)
             except (InmemFTError, ValueError, OSError) as e:
-                self.failed = step
                 with self.smp.lock:
+                    if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
+                        self.failed = step
                     ps = self.sets.get(step)
                     if ps is not None and ps.state != PROTECTED:
                         self.sets.pop(step).drop()
                 log.warning("ec node=%d event=protect_failed step=%d reason=%s: the step is not protected; "
                             "the newest protected one stays", self.node, step, e)
 
-    def protect(self, step: int) -> None:
+    def protect(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
         t0 = time.perf_counter()
         lens = [self._node_data(step).length if n == self.node else
                 self.clients[n].call({"op": "describe", "step": step})[0]["length"] for n in self.members]
@@ -144,8 +181,35 @@ class Protector:
         group = {"members": self.members, "lens": lens, "padded": padded,
                  "ranks": sorted(self.smp.committed_views(step))}
         with self.smp.lock:
-            if step in self.sets:
-                self.sets.pop(step).drop()
+            ps = self.sets.get(step)
+            if ps is not None and ps.state == BUILT and all(ps.record.get(key) == v for key, v in group.items()):
+                # Built from these very bytes before a restart cut its protection off: the group only has to
+                # finish; encoding it again would leave this member without parity of the step meanwhile.
+                log.info("ec node=%d event=reuse parity step=%d state=built", self.node, step)
+                reused = True
+            else:
+                reused = False
+                if ps is not None:
+                    self.sets.pop(step).drop()
+        if not reused:
+            ps = self._encode(step, cs, group)
+        self._wait_group_built(step, peer_failed_grace_s)
+        with self.smp.lock:
+            if self.sets.get(step) is not ps:
+                raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
+                                   f"from an older step)")
+            ps.seal(PROTECTED)
+            self.protected = step
+            self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
+            for old in [s for s in self.sets if s < step]:
+                self.sets.pop(old).drop()
+            self.smp.release_moved(step)
+        log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
+                 self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
+
+    def _encode(self, step: int, cs: int, group: dict) -> ParitySet:
+        """This node's parity chunks of `step`, pulled and encoded into a new parity set, sealed built."""
+        with self.smp.lock:
             need = paritystore.RECORD + self.groups.m * cs
             if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
@@ -165,33 +229,22 @@ class Protector:
                     data = [f.result() for f in pulls]
                     stripe_parity(self.layout, stripe, data, [p], [ps.chunk(i)[a: a + n]])
         ps.seal(BUILT)
-        self._wait_group_built(step)
-        with self.smp.lock:
-            if self.sets.get(step) is not ps:
-                raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
-                                   f"from an older step)")
-            ps.seal(PROTECTED)
-            self.protected = step
-            self.lag_s = round(time.time() - self.completed_at.get(step, time.time()), 3)
-            for old in [s for s in self.sets if s < step]:
-                self.sets.pop(old).drop()
-            self.smp.release_moved(step)
-        log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
-                 self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
+        return ps
 
     def _read(self, node: int, step: int, offset: int, into: np.ndarray) -> np.ndarray:
         return self.clients[node].call({"op": "node_read", "step": step, "off": offset, "len": into.nbytes},
                                        into=into)[1]
 
-    def _wait_group_built(self, step: int) -> None:
-        deadline = time.monotonic() + BUILT_WAIT_S
+    def _wait_group_built(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
+        start = time.monotonic()
+        deadline = start + BUILT_WAIT_S
         pending = set(self.clients)
         while pending:
             for n in sorted(pending):
                 state = self.clients[n].call({"op": "state"})[0]
                 if str(step) in state["built"]:
                     pending.discard(n)
-                elif state["failed"] == step:
+                elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
                     raise PeerUnavailable(f"node {n} failed to build its parity of step {step}")
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "

@@ -111,6 +111,12 @@ class Supervisor:
         self._restart: timelost.Restart | None = None  # the failure being recovered from
         self._standbys_started = False  # this attempt's
         self._smp_logs: dict[int, telemetry.Tail] = {}  # replaced node -> its new SMP's lines in its log
+        # With erasure coding, every SMP's log (its replacements append to it): which step is protected, when.
+        self._ec_logs = {node: telemetry.Tail(cluster.smp_log(node), from_end=True)
+                         for node in range(cluster.nodes)} if cluster.ec is not None else {}
+        self._protecting: dict[int, set[int]] = {}  # step -> nodes that logged it protected, until all have
+        self._protect_reasons: dict[int, str] = {}  # step -> why a node protected it other than on `complete`
+        self.protected: tuple[int, float] | None = None  # (step, timeline time) it was protected on every node
 
     def event(self, kind: str, text: str, step: int | None = None) -> None:
         e = Event(time.monotonic() - self._t0, kind, text, step)
@@ -158,6 +164,7 @@ class Supervisor:
             self._note_snapshots(beats)
             self._note_recovery()
             self._note_rebuilds()
+            self._note_protection()
             self._start_standbys()
             self._inject(beats)
             hung = self._hung(beats)
@@ -194,9 +201,18 @@ class Supervisor:
         self._loss_records += self._losses.records()  # complete now: every rank of the attempt is gone
         reached = max((r["step"] for r in self._loss_records if r["time"] <= (failed_at or detected_at)),
                       default=None)
-        self._restart = timelost.Restart(cause, failed_at, detected_at, stopped_at, reached, note)
-        self.event("detected", f"{why}; survivors stopped, all ranks restart",
+        self._restart = timelost.Restart(cause, failed_at, detected_at, stopped_at, reached, note,
+                                         protected=self.protected[0] if self.protected else None)
+        self.event("detected", f"{why}; survivors stopped, all ranks restart{self._protection_now()}",
                    reached if reached is not None else max((b.get("step", 0) for b in beats.values()), default=0))
+
+    def _protection_now(self) -> str:
+        """What a node lost now would be rebuilt at, for the timeline (nothing without erasure coding)."""
+        if not self._ec_logs:
+            return ""
+        if self.protected is None:
+            return "; no step protected on every node"
+        return f"; step {self.protected[0]} protected on every node since {self.protected[1]:.1f} s"
 
     def _note_recovery(self) -> None:
         """Training is back at the step the failure interrupted: how long that took, and where the time went."""
@@ -260,6 +276,8 @@ class Supervisor:
             self.event("restore", "no snapshot: starting from step 0")
         else:
             r = max(restored, key=lambda x: x["seconds"])
+            if self.protected is not None and self.protected[0] > r["step"]:
+                self.protected = None  # the SMPs dropped the parity of the steps after the one resumed from
             sources = sorted({x["source"] for x in restored if x})
             self.event("restore", f"step {r['step']} from {' + '.join(sources)} in {r['seconds']:.3f} s "
                                   f"(slowest rank)", r["step"])
@@ -290,6 +308,35 @@ class Supervisor:
                     what = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt",
                             "rebuild_failed": "rebuild FAILED"}[m.group(1)]
                     self.event("rebuild", f"node {node} {what} from its EC group: {m.group(2)}")
+
+    _PROTECT = re.compile(r"ec node=(\d+) event=(protected|protect_failed|protect) step=(\d+)\b(?:.*? reason=(.*))?")
+
+    def _note_protection(self) -> None:
+        """Which step is protected from when: once every node's SMP logged it protected (each holds its parity),
+        a node lost from then on is rebuilt at that step. A node that failed to protect one says why."""
+        for node, tail in self._ec_logs.items():
+            for line in tail.lines():
+                m = self._PROTECT.search(line)
+                if not m:
+                    continue
+                what, step, reason = m.group(2), int(m.group(3)), m.group(4) or ""
+                if what == "protect":  # not on a `complete`: the job resumed from it, or an SMP restarted
+                    self._protect_reasons[step] = reason
+                elif what == "protect_failed":
+                    self._protecting.pop(step, None)
+                    reason = reason.split(": the step is not protected")[0]
+                    self.event("ec failed", f"node {node}: protecting step {step} failed ({reason}); a node lost "
+                                            f"now is rebuilt at an older step, if any", step)
+                else:
+                    nodes = self._protecting.setdefault(step, set())
+                    nodes.add(int(m.group(1)))
+                    if len(nodes) == self.cluster.nodes:
+                        del self._protecting[step]
+                        why = self._protect_reasons.pop(step, "")
+                        self.event("protected", f"step {step} on every node (erasure-coded across its EC group): a "
+                                                f"node lost from now on is rebuilt at step {step}"
+                                   + (f" [protected because {why}]" if why else ""), step)
+                        self.protected = (step, self.timeline.events[-1].t)
 
     def _inject(self, beats: dict) -> None:
         for f in self.failures:

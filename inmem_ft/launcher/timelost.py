@@ -42,6 +42,7 @@ class Restart:
     failed_note: str = ""
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
+    protected: int | None = None  # with erasure coding: the newest step protected on every node at the failure
 
 
 @dataclass
@@ -97,7 +98,7 @@ def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], 
     parts, total = _parts(bounds, notes)
     slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
     return {"failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
-            "restored_step": restored_step,
+            "restored_step": restored_step, "protected_step": restart.protected,
             "steps_recomputed": (max(restart.reached - restored_step, 0)
                                  if restart.reached is not None and restored_step is not None else None),
             "total_s": total, "parts": parts,
