@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import InmemFTError
+
 _made: list = []  # every group an Agreement made and no close destroyed yet (torch's registry holds them anyway)
 _open: "weakref.WeakSet[Agreement]" = weakref.WeakSet()  # Agreements not closed: they hold references too
 _made_lock = threading.Lock()
@@ -92,11 +94,16 @@ class Agreement:
         while groups:
             destroy_group(groups.pop())  # our last reference goes with the call: ~ProcessGroupGloo joins here
 
+    def _check_open(self) -> None:
+        if self.group is None:  # closed: group=None would mean the default group, the training loop's own
+            raise InmemFTError("the snapshot agreement is closed (its process groups are destroyed)")
+
     def min(self, value: int | list[int]) -> int | list[int]:
         """The smallest `value` of all ranks; of a list, the smallest of each element (one round for all)."""
         if not self.distributed:
             return value
         t = torch.tensor(value, dtype=torch.int64)
+        self._check_open()
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return t.tolist()
 
@@ -104,6 +111,7 @@ class Agreement:
         """Every rank's `values` (same length on all ranks), indexed by rank."""
         if not self.distributed:
             return [list(values)]
+        self._check_open()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self.group)

@@ -242,5 +242,16 @@ def main() -> None:
         handle.close()
 
 
+def _main_then_teardown() -> None:
+    try:
+        main()
+    finally:  # Megatron's module globals hold its groups: let them go, so run_main can destroy every one
+        if "megatron.core" in sys.modules:
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+
+
 if __name__ == "__main__":  # Megatron's torch_dist save spawns processes: keep the guard
-    main()
+    from inmem_ft.teardown import run_main
+
+    run_main(_main_then_teardown)  # the process groups are destroyed on every path (issue 23)
