@@ -246,9 +246,12 @@ def _main_then_teardown() -> None:
     try:
         main()
     finally:  # Megatron's module globals hold its groups: let them go, so run_main can destroy every one
-        if "megatron.core" in sys.modules:
-            from megatron.core import parallel_state
-            parallel_state.destroy_model_parallel()
+        state = sys.modules.get("megatron.core.parallel_state")
+        if state is not None:
+            try:
+                state.destroy_model_parallel()
+            except Exception as e:  # never in place of main's own error
+                print(f"megatron_gpt: destroy_model_parallel failed: {e!r}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # Megatron's torch_dist save spawns processes: keep the guard
