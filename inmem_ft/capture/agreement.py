@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from contextlib import contextmanager
 import weakref
 from datetime import timedelta
 
@@ -73,6 +74,9 @@ class Agreement:
     def __init__(self, timeout_s: float):
         self.distributed = dist.is_available() and dist.is_initialized()
         self._mirrors: list = []  # groups made by mirror() that this rank belongs to
+        self._timeout_s = timeout_s
+        self._busy = 0  # collectives of min/gather in flight (the commit thread's, a restore's verdict thread's)
+        self._idle = threading.Condition()
         self.dp_mirror = None  # mirror()'s answer: the one reference to it outside torch (Snapshotter._dp_gloo)
         if self.distributed:
             self.group = _made_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
@@ -86,35 +90,51 @@ class Agreement:
         """Destroy the groups made here and drop this object's references to them, so that (nothing else holding
         them) each gloo group's worker threads are joined now, while the interpreter lives. Idempotent; call it
         once no collective of these groups is in flight on this rank (the commit thread joined)."""
-        groups, self._mirrors = [g for g in (*self._mirrors, self.group) if g is not None], []
-        self.group = self.dp_mirror = None
+        with self._idle:  # a daemon thread still in a vote (verdict.py) must leave it before the group goes:
+            # one in a collective when the interpreter finalizes aborts the process the same way. Bounded: a
+            # peer that never votes fails the collective within the group's own timeout anyway.
+            self._idle.wait_for(lambda: self._busy == 0, timeout=self._timeout_s)
+            groups, self._mirrors = [g for g in (*self._mirrors, self.group) if g is not None], []
+            self.group = self.dp_mirror = None
         with _made_lock:
             _made[:] = [g for g in _made if all(g is not mine for mine in groups)]
             _open.discard(self)
         while groups:
             destroy_group(groups.pop())  # our last reference goes with the call: ~ProcessGroupGloo joins here
 
-    def _check_open(self) -> None:
-        if self.group is None:  # closed: group=None would mean the default group, the training loop's own
-            raise InmemFTError("the snapshot agreement is closed (its process groups are destroyed)")
+    @contextmanager
+    def _collective(self):
+        """Count a collective in flight (close waits for none); refuse one once closed, where group=None would
+        mean the default group, the training loop's own."""
+        with self._idle:
+            if self.group is None:
+                raise InmemFTError("the snapshot agreement is closed (its process groups are destroyed)")
+            self._busy += 1
+            group = self.group
+        try:
+            yield group
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
 
     def min(self, value: int | list[int]) -> int | list[int]:
         """The smallest `value` of all ranks; of a list, the smallest of each element (one round for all)."""
         if not self.distributed:
             return value
         t = torch.tensor(value, dtype=torch.int64)
-        self._check_open()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        with self._collective() as group:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return t.tolist()
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (same length on all ranks), indexed by rank."""
         if not self.distributed:
             return [list(values)]
-        self._check_open()
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        with self._collective() as group:
+            dist.all_gather(out, mine, group=group)
         return [t.tolist() for t in out]
 
 
