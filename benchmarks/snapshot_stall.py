@@ -196,4 +196,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from inmem_ft.teardown import run_main
+
+    run_main(main)  # exits with main's code; a worker's process groups are destroyed on every path (issue 23)

@@ -6,9 +6,43 @@ import uuid
 
 import pytest
 
+import fatal_signals
 from inmem_ft.smp.segments import names_with_prefix, unlink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    fatal_signals.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    try:
+        return (yield)
+    finally:  # where the test put its SMPs' logs, before monkeypatch takes the variable back
+        item.stash[_RUNTIME_DIR] = os.environ.get("INMEM_FT_RUNTIME_DIR")
+
+
+_RUNTIME_DIR = pytest.StashKey[str]()
+
+
+@pytest.fixture(autouse=True)
+def no_fatal_signals(request):
+    """Fail the test when a process it started died of SIGSEGV, SIGBUS or SIGABRT, or its logs say one did
+    (tests/fatal_signals.py); set up first, so it looks after every other fixture has stopped its processes."""
+    allowed = fatal_signals.allowed_by(request.node)
+    watch = fatal_signals.begin(request.node.nodeid)
+    before = os.environ.get("INMEM_FT_RUNTIME_DIR")
+    yield
+    roots = [str(request.node.funcargs["tmp_path"])] if "tmp_path" in request.node.funcargs else []
+    runtime_dir = request.node.stash.get(_RUNTIME_DIR, None)  # one the test set (a shared one has others' logs)
+    if runtime_dir and runtime_dir != before and not any(runtime_dir.startswith(r + os.sep) for r in roots):
+        roots.append(runtime_dir)
+    found = fatal_signals.problems(watch, roots, allowed)
+    fatal_signals.begin("session")
+    if found:
+        pytest.fail(fatal_signals.message(request.node.nodeid, found), pytrace=False)
 
 
 @pytest.fixture

@@ -372,8 +372,10 @@ def worker(spec: dict):
         _write_record(spec["out_dir"], rank, start_step, losses, timings)
     timings["total_s"] = time.monotonic() - t_start
     _write_record(spec["out_dir"], rank, start_step, losses, timings)
-    deepspeed.comm.destroy_process_group()
+
 
 
 if __name__ == "__main__":
-    worker(json.loads(sys.argv[1]))
+    from inmem_ft.teardown import run_main
+
+    run_main(worker, json.loads(sys.argv[1]))  # the process groups are destroyed on every path (issue 23)

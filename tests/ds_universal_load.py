@@ -78,8 +78,20 @@ def main() -> None:
                        "optimizer_steps": sorted({float(s) for s in step}),
                        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
                        "imported_inmem_ft": any(m.split(".")[0] == "inmem_ft" for m in sys.modules)}, f)
-    deepspeed.comm.destroy_process_group()
+
 
 
 if __name__ == "__main__":
-    main()
+    # Plain DeepSpeed, no inmem_ft (not even inmem_ft.teardown.run_main, which this mirrors): the process groups
+    # are destroyed on every path, an exception's too, and after the traceback has let its frames go (issue 23).
+    code = 0
+    try:
+        main()
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)

@@ -332,6 +332,97 @@ def test_a_foreign_exception_on_one_rank_is_voted_and_never_leaves_the_others_wa
         assert "event=failed: NotImplementedError" in logs[1] or "event=failed: RuntimeError" in logs[1], logs[1]
 
 
+GROUPS_AT_EXIT = """
+import atexit, os, sys, torch, torch.distributed as dist
+
+def gloo_threads():  # the worker threads of every gloo group alive in this process
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
+
+# Registered before inmem_ft's own handler, so it runs after it: what is left once inmem_ft has cleaned up.
+atexit.register(lambda: print("at exit", gloo_threads(), flush=True))
+import inmem_ft
+dist.init_process_group("gloo")
+try:
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1), dp_group=dist.new_group([0, 1]))
+    snap.save(1, {"w": torch.ones(1000) * dist.get_rank()})
+    snap.wait()
+    print("open", gloo_threads(), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the trainer failed; its Snapshotter is never closed")
+    snap.close()
+finally:
+    dist.destroy_process_group()  # the script's own groups (the world, the data-parallel group)
+"""
+
+
+@pytest.mark.parametrize("ending", ["close", "raise"])
+def test_our_gloo_groups_are_destroyed_on_close_and_on_an_error_exit(job, runtime, ending):
+    """Issue 23: a gloo group alive when the interpreter finalizes can abort the rank (SIGABRT, "terminate called
+    without an active exception": a worker thread of the group drops a collective's tensor and asks for the GIL
+    of an interpreter going away). The agreement group and its mirror are destroyed, their threads joined, by
+    Snapshotter.close, and where an exception skipped it, by inmem_ft's atexit handler, before the interpreter
+    finalizes; the rank ends with its own exit code."""
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", GROUPS_AT_EXIT, ending], timeout_s=300)
+        logs = [cluster.rank_log(attempt.number, r) for r in range(2)]
+        if ending == "close":
+            assert attempt.ok, logs
+        else:  # the launcher stops the other rank once one has failed
+            assert attempt.returncodes[attempt.first_failure] == 1 and set(attempt.returncodes.values()) <= {1, -9}
+        for rank, text in enumerate(logs):
+            if attempt.returncodes[rank] == -9:
+                continue
+            assert int(text.split("open ")[1].split()[0]) > 0, text  # the threads counted are there while open
+            assert "at exit 0" in text, text
+            assert ending == "close" or "RuntimeError: the trainer failed" in text, text
+
+
+RUN_MAIN = """
+import atexit, os, sys, torch, torch.distributed as dist
+from inmem_ft.teardown import gloo_threads, run_main
+
+atexit.register(lambda: print("at exit", gloo_threads(), flush=True))  # never printed where run_main os._exits
+
+def main():
+    import inmem_ft
+    dist.init_process_group("gloo")
+    dp = dist.new_group([0, 1])  # a group of the script's own, held by this frame when the exception leaves it
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1), dp_group=dp)
+    snap.save(1, {"w": torch.ones(1000) * dist.get_rank()})
+    snap.wait()
+    t = torch.ones(3)
+    dist.all_reduce(t, group=dp)  # the script's own last collective, just before it ends
+    print("open", gloo_threads(), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the trainer failed")
+    return 3 if sys.argv[1] == "code" else None
+
+run_main(main)
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "code", "raise"])
+def test_run_main_ends_a_trainer_with_its_own_exit_code_and_no_group_left(job, runtime, ending):
+    """inmem_ft.teardown.run_main (the examples' and harnesses' entry point): whatever main did, every process
+    group (inmem_ft's, the world, the script's own) is destroyed and its threads joined before the interpreter
+    finalizes, and the process exits with main's code: 0, its int, or 1 after an exception's traceback."""
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", RUN_MAIN, ending], timeout_s=300)
+        logs = [cluster.rank_log(attempt.number, r) for r in range(2)]
+        code = {"return": 0, "code": 3, "raise": 1}[ending]
+        if ending == "return":
+            assert attempt.ok, logs
+        else:  # the launcher stops the other rank once one has failed
+            assert attempt.returncodes[attempt.first_failure] == code, logs
+            assert set(attempt.returncodes.values()) <= {code, -9}, logs
+        for rank, text in enumerate(logs):
+            if attempt.returncodes[rank] == -9:
+                continue
+            assert int(text.split("open ")[1].split()[0]) > 0, text
+            assert "at exit 0" in text, text
+            assert ending != "raise" or "RuntimeError: the trainer failed" in text, text
+
+
 # ---- shared memory is private ----------------------------------------------------------------------------
 def _two_steps_then_kill_the_smp(job):
     proc = control.start(job, 0, 64 << 20)

@@ -1,28 +1,130 @@
 """The few collectives the snapshot protocol needs, on a gloo group of its own: they run from the commit
-thread and must never interleave with the training loop's collectives on the default group."""
+thread and must never interleave with the training loop's collectives on the default group.
+
+The groups made here are destroyed on every path: Snapshotter.close, and otherwise at interpreter exit (atexit,
+which runs after the commit thread is joined and before the interpreter finalizes). A gloo group that outlives
+the interpreter aborts the process: each of its worker threads (pt_gloo_runloop) drops a finished collective's
+tensors only after the caller's wait returned, and when that tensor's last reference goes while the main thread
+is already in Py_FinalizeEx, the worker's GIL request ends the thread (PyThread_exit_thread) by a forced unwind
+through a noexcept destructor: std::terminate, "terminate called without an active exception", SIGABRT (issue
+23). Dropping the group's last reference while the interpreter lives runs ~ProcessGroupGloo, which joins those
+threads (pybind releases the GIL for it), so none is left to race the finalization."""
 from __future__ import annotations
 
+import atexit
+import threading
+from contextlib import contextmanager
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..errors import InmemFTError
+
+_made: list = []  # every group an Agreement made and no close destroyed yet (torch's registry holds them anyway)
+_open: "weakref.WeakSet[Agreement]" = weakref.WeakSet()  # Agreements not closed: they hold references too
+_made_lock = threading.Lock()
+_atexit_registered = False
+
+
+def _made_group(group):
+    global _atexit_registered
+    with _made_lock:
+        _made.append(group)
+        if not _atexit_registered:
+            atexit.register(_destroy_all)
+            _atexit_registered = True
+    return group
+
+
+def _destroy_all() -> None:
+    """atexit: destroy every group of ours that no close did (an exception ended the trainer, or its
+    Snapshotter was dropped unclosed), and drop every reference of ours to them, so that they go now."""
+    with _made_lock:
+        agreements, groups = list(_open), _made[:]
+        _made.clear()
+    for agreement in agreements:
+        try:
+            agreement.close()
+        except Exception:  # exiting anyway: the rank's own error and exit code are what count
+            pass
+    while groups:
+        try:
+            destroy_group(groups.pop())
+        except Exception:
+            pass
+
+
+def destroy_group(group) -> None:
+    """Destroy one process group of ours if torch still knows it (a destroy of the whole world took it already)
+    and it is not the world itself. Local for gloo (no collective), so it cannot wait on a peer: only on this
+    rank's own collectives still in flight on the group, which its worker threads finish before they are joined."""
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
+        return
+    if group is dist.group.WORLD:
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # not (or no longer) registered: the world was destroyed, or re-made, since
+        pass
+
 
 class Agreement:
     def __init__(self, timeout_s: float):
         self.distributed = dist.is_available() and dist.is_initialized()
+        self._mirrors: list = []  # groups made by mirror() that this rank belongs to
+        self._timeout_s = timeout_s
+        self._busy = 0  # collectives of min/gather in flight (the commit thread's, a restore's verdict thread's)
+        self._idle = threading.Condition()
+        self.dp_mirror = None  # mirror()'s answer: the one reference to it outside torch (Snapshotter._dp_gloo)
         if self.distributed:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.group = _made_group(dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            with _made_lock:
+                _open.add(self)
         else:
             self.group, self.rank, self.world_size = None, 0, 1
+
+    def close(self) -> None:
+        """Destroy the groups made here and drop this object's references to them, so that (nothing else holding
+        them) each gloo group's worker threads are joined now, while the interpreter lives. Idempotent; call it
+        once no collective of these groups is in flight on this rank (the commit thread joined)."""
+        with self._idle:  # a daemon thread still in a vote (verdict.py) must leave it before the group goes:
+            # one in a collective when the interpreter finalizes aborts the process the same way. Bounded: a
+            # peer that never votes fails the collective within the group's own timeout anyway.
+            self._idle.wait_for(lambda: self._busy == 0, timeout=self._timeout_s)
+            groups, self._mirrors = [g for g in (*self._mirrors, self.group) if g is not None], []
+            self.group = self.dp_mirror = None
+        with _made_lock:
+            _made[:] = [g for g in _made if all(g is not mine for mine in groups)]
+            _open.discard(self)
+        while groups:
+            destroy_group(groups.pop())  # our last reference goes with the call: ~ProcessGroupGloo joins here
+
+    @contextmanager
+    def _collective(self):
+        """Count a collective in flight (close waits for none); refuse one once closed, where group=None would
+        mean the default group, the training loop's own."""
+        with self._idle:
+            if self.group is None:
+                raise InmemFTError("the snapshot agreement is closed (its process groups are destroyed)")
+            self._busy += 1
+            group = self.group
+        try:
+            yield group
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
 
     def min(self, value: int | list[int]) -> int | list[int]:
         """The smallest `value` of all ranks; of a list, the smallest of each element (one round for all)."""
         if not self.distributed:
             return value
         t = torch.tensor(value, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        with self._collective() as group:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return t.tolist()
 
     def gather(self, values: list[int]) -> list[list[int]]:
@@ -31,7 +133,8 @@ class Agreement:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.group)
+        with self._collective() as group:
+            dist.all_gather(out, mine, group=group)
         return [t.tolist() for t in out]
 
 
@@ -46,6 +149,10 @@ class Agreement:
         """
         if group is None or not self.distributed:
             return None
+        self.dp_mirror = self._mirror(group)
+        return self.dp_mirror
+
+    def _mirror(self, group):
         members = dist.get_process_group_ranks(group)
         if len(members) == self.world_size:
             return self.group
@@ -55,6 +162,8 @@ class Agreement:
             g = dist.new_group(list(ranks), backend="gloo")
             if self.rank in ranks:
                 mine = g
+        if mine is not None:
+            self._mirrors.append(_made_group(mine))
         return mine
 
 

@@ -128,7 +128,8 @@ class Snapshotter:
         self.rank, self.world_size = self._agree.rank, self._agree.world_size
         self.dp_rank = dist.get_rank(dp_group) if dp_group is not None else 0
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self._dp_gloo = self._agree.mirror(dp_group) if self.dp_size > 1 else None
+        if self.dp_size > 1:
+            self._agree.mirror(dp_group)  # kept there (_dp_gloo), so that closing the agreement lets it go
         self._smp = SMPClient(self.config.socket_path, timeout_s=self.config.timeout_s)
         self._smp.call("ping")  # no SMP: fail now, with the command that starts one
         self._copier = Copier(self.config.staging_budget)
@@ -443,13 +444,21 @@ class Snapshotter:
             if self._failed is None:  # else it was raised at the fence that found it, and nothing is pending
                 self.wait()
         finally:
-            self._pool.shutdown(wait=True)
-            for work in list(self._readers):
-                work.stop()
-            for attached in self._attached.values():
-                attached.close()
-            self._attached.clear()
-            self._smp.close()
+            self._pool.shutdown(wait=True)  # no collective of ours is in flight past this
+            try:
+                for work in list(self._readers):
+                    work.stop()
+                for attached in self._attached.values():
+                    attached.close()
+                self._attached.clear()
+                self._smp.close()
+            finally:
+                self._agree.close()  # it holds our references to our groups: destroyed here
+
+    @property
+    def _dp_gloo(self):
+        """The gloo mirror of the data-parallel group (None where dp_size is 1), held by the agreement."""
+        return self._agree.dp_mirror
 
     def __enter__(self):
         return self

@@ -283,8 +283,10 @@ def main() -> None:
         handle.close()
     if args.dump_full and args.dump_step is None:
         dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
-    deepspeed.comm.destroy_process_group()
+
 
 
 if __name__ == "__main__":
-    main()
+    from inmem_ft.teardown import run_main
+
+    run_main(main)  # the process groups are destroyed on every path, an exception's too (issue 23)

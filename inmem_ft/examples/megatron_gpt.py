@@ -242,5 +242,19 @@ def main() -> None:
         handle.close()
 
 
+def _main_then_teardown() -> None:
+    try:
+        main()
+    finally:  # Megatron's module globals hold its groups: let them go, so run_main can destroy every one
+        state = sys.modules.get("megatron.core.parallel_state")
+        if state is not None:
+            try:
+                state.destroy_model_parallel()
+            except Exception as e:  # never in place of main's own error
+                print(f"megatron_gpt: destroy_model_parallel failed: {e!r}", file=sys.stderr)
+
+
 if __name__ == "__main__":  # Megatron's torch_dist save spawns processes: keep the guard
-    main()
+    from inmem_ft.teardown import run_main
+
+    run_main(_main_then_teardown)  # the process groups are destroyed on every path (issue 23)

@@ -95,8 +95,10 @@ def main() -> None:
         leaves = [*model_sd.values(), *(v for s in opt_sd["state"].values() for v in s.values())]
         torch.save({x.specs[0].key: x.tensor.clone() for x in leaves if isinstance(x, inmem_ft.Sharded)},
                    args.dump_full)
-    dist.destroy_process_group()
+
 
 
 if __name__ == "__main__":
-    main()
+    from inmem_ft.teardown import run_main
+
+    run_main(main)  # the process groups are destroyed on every path, an exception's too (issue 23)

@@ -1,0 +1,95 @@
+"""End a distributed trainer with its own exit code, never an abort (issue 23).
+
+A gloo process group still alive when the interpreter finalizes can abort the process with SIGABRT ("terminate
+called without an active exception"): a worker thread of the group (pt_gloo_runloop) releases a finished
+collective's tensors only after the caller's wait returned, and when that release asks for the GIL of an
+interpreter that is finalizing, Python ends the thread by a forced unwind through a noexcept destructor. A group
+destroyed while the interpreter lives has its threads joined first (~ProcessGroupGloo), so none is left.
+
+`run_main(main)` runs a script's main function and then, on every path (return, exception, sys.exit):
+
+1. inmem_ft's own groups are destroyed (what Snapshotter.close does; the atexit handler would do it later);
+2. every process group is destroyed (torch.distributed.destroy_process_group: local for gloo, no collective, so
+   it cannot wait on a peer that is gone or mid-collective);
+3. the exception's traceback is printed and dropped, and a collection run, so the frames it held (a DeepSpeed
+   engine and the group handles it keeps) let the groups go now, while the interpreter lives;
+4. if a gloo worker thread is still alive after that (a group something else still holds), the process ends
+   with os._exit after flushing stdio and logging, the one way that cannot meet that thread during
+   finalization; otherwise it exits normally (sys.exit), atexit handlers and all.
+
+The exit code is the script's: main's return value (None: 0), SystemExit's code, 1 for an exception (as Python
+itself would), 130 for KeyboardInterrupt."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+import traceback
+
+
+def gloo_threads() -> int:
+    """How many gloo worker threads (those of every live gloo group) this process has."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().strip() == "pt_gloo_runloop"
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return count
+
+
+def destroy_process_groups() -> None:
+    """Destroy inmem_ft's groups and then every group torch knows; local only, never a collective."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    from .capture import agreement
+
+    agreement._destroy_all()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _code_of(exit: SystemExit) -> int:
+    if exit.code is None:
+        return 0
+    if isinstance(exit.code, int):
+        return exit.code
+    print(exit.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+    return 1
+
+
+def run_main(main, *args, **kwargs) -> None:
+    """Run `main(*args, **kwargs)` and exit with its code, the process groups destroyed on every path."""
+    code = 0
+    try:
+        result = main(*args, **kwargs)
+        code = result if isinstance(result, int) else 0
+    except SystemExit as e:
+        code = _code_of(e)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    # The traceback is gone with the except clause: the frames it held, and the group handles in them, too.
+    try:
+        destroy_process_groups()
+    except Exception:
+        traceback.print_exc()  # the exit code stays the script's: a teardown failure must not hide its error
+        code = code or 1
+    gc.collect()
+    if "torch.distributed" in sys.modules and gloo_threads():
+        # A gloo group that something still holds: finalization could meet its threads. Skip it.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)
