@@ -10,7 +10,7 @@ import time
 
 from . import units
 from .cluster import survival
-from .cluster.options import ECOptions, add_ec_arguments, options_from_args
+from .cluster.options import ECOptions, add_ec_arguments, options_from_args, peer_argv
 from .errors import ConfigError, InmemFTError, SMPUnavailable
 from .smp import control, inventory, paths
 from .smp.daemon import check_budget_fits
@@ -88,7 +88,7 @@ def cmd_smp_start(args) -> int:
         print(f"inmem-ft: warning: a memory budget of {units.human(args.memory_budget)} holds two snapshots "
               f"of only {units.human(args.memory_budget / 2)} for all of this node's ranks together; the first "
               f"snapshot fails if they need more", file=sys.stderr)
-    extra = ec.argv() if ec else []
+    extra = ec.argv() if ec else peer_argv(args)
     if args.persist_dir:
         extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every", str(args.persist_every or 0),
                   "--persist-keep", str(args.persist_keep or 2)]

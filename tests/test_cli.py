@@ -95,6 +95,36 @@ def test_setup_errors_are_one_line_before_any_daemon_starts(job, runtime, monkey
     assert not (runtime / "run" / job).exists()  # refused at the command: no daemon, no log
 
 
+@pytest.mark.parametrize("args, error", [
+    (["--peers", "0=h0"], "--peers: peer entry '0=h0' is not NODE=HOST:PORT"),
+    (["--peers", "1=127.0.0.1:7101"], "--node 0 is not in --peers (nodes [1])"),
+    (["--node", "2"] + PEERS, "--node 2 is not in --peers (nodes [0, 1])"),
+    (PEERS + ["--secret-file", "/nonexistent/secret"], "--secret-file: No such file or directory"),
+])
+def test_peers_without_parity_are_checked_as_with_it(job, runtime, monkeypatch, args, error):
+    monkeypatch.setenv("INMEM_FT_SECRET", SECRET)
+    out = cli("smp", "start", "--job", job, "--memory-budget", "64MiB", *args)
+    assert out.returncode == 1 and out.stderr.startswith(f"inmem-ft: error: {error}"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert not (runtime / "run" / job).exists()
+
+
+def test_peers_without_parity_reach_the_daemon(job, runtime, monkeypatch):
+    """Cross-node reads need the links even with erasure coding off: the SMP asks node 1 (nobody listens
+    there) for its snapshots, and says so, where an SMP without links would know of no node 1."""
+    monkeypatch.delenv("INMEM_FT_SECRET", raising=False)
+    no_secret = cli("smp", "start", "--job", job, "--memory-budget", "64MiB", "--peers", "0=127.0.0.1:0")
+    assert no_secret.returncode == 1 and "needs a per-job secret" in no_secret.stderr, no_secret.stderr
+    monkeypatch.setenv("INMEM_FT_SECRET", SECRET)
+    started = cli("smp", "start", "--job", job, "--memory-budget", "64MiB", "--peers", "0=127.0.0.1:0,1=127.0.0.1:1")
+    assert started.returncode == 0, started.stderr
+    try:
+        out = cli("inspect", "--job", job)
+        assert out.returncode == 1 and "unreachable: node 1: " in out.stderr, out.stderr
+    finally:
+        assert cli("smp", "stop", "--job", job, "--wipe").returncode == 0
+
+
 @pytest.mark.parametrize("value", ["0", "-5GiB", "lots"])
 def test_a_bad_memory_budget_is_an_argparse_error_naming_the_option(job, runtime, value):
     out = cli("smp", "start", "--job", job, "--memory-budget", value)

@@ -77,8 +77,10 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> ECOptions | None:
     """The EC settings of a node's SMP, checked here (before any daemon starts) so that a bad peer list,
     group or secret is one line at the command, not a traceback in the daemon's log. `asked_by` names
-    where the parity came from, for the message when --nodes/--peers are missing."""
+    where the parity came from, for the message when --nodes/--peers are missing. Peers given without parity
+    are checked all the same (check_peers): they serve cross-node reads."""
     if not args.parity:
+        check_peers(args)
         return None
     if args.nodes is None or not args.peers:
         raise ConfigError(f"{asked_by} asks for erasure coding across nodes: add --nodes N and --peers "
@@ -99,20 +101,43 @@ def options_from_args(args: argparse.Namespace, asked_by: str = "--parity") -> E
         groups = options.groups()
     except ValueError as e:
         raise ConfigError(f"--parity {args.parity} --nodes {args.nodes}: {e}") from None
-    try:
-        peers = parse_peers(options.peers)
-    except ValueError as e:
-        raise ConfigError(f"--peers: {e}") from None
     if not 0 <= args.node < args.nodes:
         raise ConfigError(f"--node {args.node} is outside the job's --nodes {args.nodes} (0..{args.nodes - 1})")
-    missing = sorted(set(groups.members(args.node)) - set(peers))
+    missing = sorted(set(groups.members(args.node)) - set(check_peers(args)))
     if missing:
         raise ConfigError(f"--peers lacks the address of node(s) {missing} of node {args.node}'s EC group")
+    return options
+
+
+def check_peers(args: argparse.Namespace) -> dict[int, tuple[str, int]]:
+    """The peer list, checked as the daemon's Peers would take it (parsed, this node listed, the secret readable),
+    so a bad one is one line at the command; {} without --peers."""
+    if not args.peers:
+        return {}
     try:
-        load_secret(options.secret_file)
+        peers = parse_peers(args.peers)
+    except ValueError as e:
+        raise ConfigError(f"--peers: {e}") from None
+    if args.node not in peers:
+        raise ConfigError(f"--node {args.node} is not in --peers (nodes {sorted(peers)}): give this node's id, or "
+                          f"add its NODE=HOST:PORT to --peers")
+    try:
+        load_secret(args.secret_file)
     except OSError as e:
         raise ConfigError(f"--secret-file: {e.strerror}: {e.filename}") from None
-    return options
+    return peers
+
+
+def peer_argv(args: argparse.Namespace) -> list[str]:
+    """The daemon arguments of SMP-to-SMP links without erasure coding (ECOptions.argv carries them with it)."""
+    if not args.peers:
+        return []
+    out = ["--peers", args.peers]
+    if args.secret_file:
+        out += ["--secret-file", args.secret_file]
+    if args.ec_bandwidth:
+        out += ["--ec-bandwidth", str(args.ec_bandwidth)]
+    return out
 
 
 def make_peers(args: argparse.Namespace, node: int, job: str):
