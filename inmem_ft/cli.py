@@ -33,10 +33,31 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def job_id(text: str) -> str:
+    """argparse type of --job: the name goes into paths and segment names, so a bad one is refused here,
+    one line naming the option, not a traceback where the first path is built."""
+    try:
+        return paths.check_job(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def node_id(text: str) -> int:
+    """argparse type of --node: an index from 0 (a negative one would name a socket node-1.sock)."""
+    try:
+        node = int(text)
+    except ValueError:
+        node = -1
+    if node < 0:
+        raise argparse.ArgumentTypeError(f"node id {text!r} must be an integer >= 0")
+    return node
+
+
 def _node_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
+    # A string default goes through `type` as well: a bad $INMEM_FT_JOB or $INMEM_FT_NODE is the same one line.
+    p.add_argument("--job", type=job_id, default=os.environ.get("INMEM_FT_JOB", "default"),
                    help="job id (default: $INMEM_FT_JOB, else 'default')")
-    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
+    p.add_argument("--node", type=node_id, default=os.environ.get("INMEM_FT_NODE", "0"),
                    help="this node's index (default: $INMEM_FT_NODE, else 0)")
     p.add_argument("--socket", default=os.environ.get("INMEM_FT_SMP_SOCKET"),
                    help="control socket path (default: $INMEM_FT_SMP_SOCKET, else <runtime dir>/<job>/node<node>.sock)")
@@ -331,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(fn=cmd_smp_status)
     clean = smp.add_parser("clean", help="remove segments that no running SMP serves (stopped or dead SMPs' "
                                          "snapshots), also with no SMP running")
-    clean.add_argument("--job", default=None, help="only this job's (default: every job's)")
-    clean.add_argument("--node", type=int, default=None, help="only this node's (default: every node's)")
+    clean.add_argument("--job", type=job_id, default=None, help="only this job's (default: every job's)")
+    clean.add_argument("--node", type=node_id, default=None, help="only this node's (default: every node's)")
     clean.add_argument("--older-than", type=units.argparse_duration, default=None, metavar="AGE",
                        help="only those last written at least AGE ago, e.g. 90s, 30m, 2h, 7d (default: any age)")
     clean.add_argument("--all", action="store_true",
@@ -370,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "recover, and print the timeline")
     launch.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: %(default)s)")
     launch.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default: %(default)s)")
-    launch.add_argument("--job", default="launch", help="job id (default: %(default)s)")
+    launch.add_argument("--job", type=job_id, default="launch", help="job id (default: %(default)s)")
     launch.add_argument("--memory-budget", type=units.argparse_size, default="2GiB", metavar="SIZE",
                         help="each node's SMP memory budget (default: 2GiB)")
     launch.add_argument("--parity", type=int, default=None, metavar="M",

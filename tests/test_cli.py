@@ -125,6 +125,35 @@ def test_peers_without_parity_reach_the_daemon(job, runtime, monkeypatch):
         assert cli("smp", "stop", "--job", job, "--wipe").returncode == 0
 
 
+@pytest.mark.parametrize("args, error", [
+    (["smp", "start", "--memory-budget", "64MiB", "--job", "bad job"], "argument --job: job id 'bad job' must be "
+                                                                       "1-64 characters of letters, digits"),
+    (["smp", "start", "--memory-budget", "64MiB", "--job", "../x"], "argument --job: job id '../x'"),
+    (["smp", "start", "--memory-budget", "64MiB", "--node", "-1"], "argument --node: node id '-1' must be an "
+                                                                    "integer >= 0"),
+    (["smp", "start", "--memory-budget", "64MiB", "--node", "one"], "argument --node: node id 'one'"),
+    (["smp", "stop", "--job", "a/b"], "argument --job: job id 'a/b'"),
+    (["smp", "status", "--node", "-3"], "argument --node: node id '-3'"),
+    (["smp", "clean", "--job", "bad job"], "argument --job: job id 'bad job'"),
+    (["smp", "clean", "--all", "--node", "-1"], "argument --node: node id '-1'"),
+    (["inspect", "--job", "bad job"], "argument --job: job id 'bad job'"),
+    (["export", "--job", "bad job", "--format", "torch-dcp", "--out", "x"], "argument --job: job id 'bad job'"),
+    (["launch", "--job", "bad job"], "argument --job: job id 'bad job'"),
+])
+def test_a_bad_job_or_node_is_one_argparse_line(runtime, args, error):
+    out = cli(*args)
+    command = " ".join(["inmem-ft", *args[:2]] if args[0] == "smp" else ["inmem-ft", args[0]])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"{command}: error: {error}"), out.stderr
+    assert not (runtime / "run").exists()
+
+
+def test_a_bad_job_in_the_environment_is_the_same_line(runtime, monkeypatch):
+    monkeypatch.setenv("INMEM_FT_JOB", "bad job")
+    out = cli("smp", "status")
+    assert out.returncode == 2 and out.stderr.startswith("inmem-ft smp status: error: argument --job: job id 'bad job'")
+
+
 @pytest.mark.parametrize("value", ["0", "-5GiB", "lots"])
 def test_a_bad_memory_budget_is_an_argparse_error_naming_the_option(job, runtime, value):
     out = cli("smp", "start", "--job", job, "--memory-budget", value)

@@ -4,7 +4,7 @@ import os
 import sys
 
 from .. import units
-from ..cli import Parser
+from ..cli import Parser, job_id, node_id
 from ..cluster.options import add_ec_arguments, make_peers, make_protector, options_from_args
 from ..cluster.slotreads import SlotReads
 from ..errors import InmemFTError
@@ -17,9 +17,9 @@ from .nodelock import NodeLock
 
 def main(argv=None) -> int:
     p = Parser(prog="python -m inmem_ft.smp")
-    p.add_argument("--job", default=os.environ.get("INMEM_FT_JOB", "default"),
+    p.add_argument("--job", type=job_id, default=os.environ.get("INMEM_FT_JOB", "default"),
                    help="job id (default: $INMEM_FT_JOB, else 'default')")
-    p.add_argument("--node", type=int, default=int(os.environ.get("INMEM_FT_NODE", "0")),
+    p.add_argument("--node", type=node_id, default=os.environ.get("INMEM_FT_NODE", "0"),
                    help="this node's index (default: $INMEM_FT_NODE, else 0)")
     p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
     p.add_argument("--memory-budget", required=True, type=units.argparse_size,
