@@ -104,7 +104,7 @@ def cmd_smp_start(args) -> int:
     if args.memory_budget is None:
         raise ConfigError("give --memory-budget, or --config with a memory_budget in its inmem_ft block")
     ec = options_from_args(args, asked_by or "--parity")
-    check_budget_fits(args.memory_budget)
+    check_budget_fits(args.memory_budget, args.job, args.node)
     if args.memory_budget < SMALL_BUDGET:
         print(f"inmem-ft: warning: a memory budget of {units.human(args.memory_budget)} holds two snapshots "
               f"of only {units.human(args.memory_budget / 2)} for all of this node's ranks together; the first "

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     smp = None
     try:
         ec = options_from_args(args)
-        check_budget_fits(args.memory_budget)
+        check_budget_fits(args.memory_budget, args.job, args.node)
         smp = SMP(args.job, args.node, args.socket or paths.default_socket(args.job, args.node), args.memory_budget)
         smp.node_lock = NodeLock.acquire(args.job, args.node)
         smp.adopt_existing()

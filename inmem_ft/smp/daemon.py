@@ -21,8 +21,9 @@ from ..errors import ConfigError, ForeignSegment, InmemFTError, SnapshotCorrupt,
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
-from . import fields, paths, protocol
-from .segments import Segment, free_bytes, names_with_prefix, path_of, read_record, unlink, write_record
+from . import fields, paths, protocol, segments
+from .segments import (Segment, capacity, held_bytes, how_to_enlarge, names_with_prefix, path_of, read_record, unlink,
+                       write_record)
 
 log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
@@ -611,9 +612,18 @@ def read_complete(job: str, node: int) -> int | None:
         return None
 
 
-def check_budget_fits(budget_bytes: int) -> None:
-    free = free_bytes()
-    if budget_bytes > free:
+def check_budget_fits(budget_bytes: int, job: str, node: int) -> None:
+    """Refuse a budget the segments' file system cannot hold, before the daemon starts: a tmpfs that fills up
+    would otherwise refuse a snapshot only once the trainers are running. What this node's kept snapshots hold
+    counts as room: its SMP adopts or reuses them."""
+    free, total = capacity()
+    if budget_bytes > total:
         raise ConfigError(
-            f"memory budget {human(budget_bytes)} exceeds the {human(free)} free in /dev/shm; lower "
-            f"--memory-budget or enlarge /dev/shm (mount -o remount,size=...)")
+            f"memory budget {human(budget_bytes)} exceeds the {human(total)} {segments.SHM_DIR} can hold at all; "
+            f"lower --memory-budget or {how_to_enlarge(budget_bytes)}")
+    room = free + held_bytes(paths.segment_prefix(job, node))
+    if budget_bytes > room:
+        raise ConfigError(
+            f"memory budget {human(budget_bytes)} exceeds the {human(room)} free in {segments.SHM_DIR} (of "
+            f"{human(total)}); free it (`inmem-ft smp status` lists snapshots no SMP serves, `inmem-ft smp clean` "
+            f"removes them), lower --memory-budget, or {how_to_enlarge(total - room + budget_bytes)}")

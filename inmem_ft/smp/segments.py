@@ -25,8 +25,11 @@ import stat
 
 from .. import pages
 from ..errors import ForeignSegment
+from ..units import human
 
-SHM_DIR = "/dev/shm"
+# Overridable so that tests can put the segments on a small tmpfs of their own; every process of a node
+# (SMP, trainers, the CLI) must see the same value.
+SHM_DIR = os.environ.get("INMEM_FT_SHM_DIR", "/dev/shm")
 
 
 def namespace() -> str:
@@ -181,6 +184,29 @@ def names_with_prefix(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
 
 
-def free_bytes() -> int:
+def capacity() -> tuple[int, int]:
+    """(free, total) bytes of the file system the segments live on."""
     st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def held_bytes(prefix: str) -> int:
+    """Bytes the namespace's files of this prefix hold (a node's kept snapshots, which its SMP adopts or reuses)."""
+    held = 0
+    for name in names_with_prefix(prefix):
+        try:
+            held += os.lstat(path_of(name)).st_size
+        except FileNotFoundError:
+            pass  # removed while we looked
+    return held
+
+
+def how_to_enlarge(size: int) -> str:
+    """How to give the segments' file system `size` bytes, in the units Docker and Kubernetes take: a container's
+    /dev/shm is 64 MiB by default, a pod's is what its emptyDir allows."""
+    unit, suffix = (2**30, "g") if size > 2**30 else (2**20, "m")
+    count = -(-size // unit)  # rounded up
+    docker, kube = f"{count}{suffix}", f"{count}{suffix.upper()}i"
+    return (f"give {SHM_DIR} at least {human(count * unit)}: `docker run --shm-size={docker}`, "
+            f"on Kubernetes an emptyDir {{medium: Memory, sizeLimit: {kube}}} mounted at {SHM_DIR}, on a host "
+            f"`mount -o remount,size={docker} {SHM_DIR}`")
