@@ -69,6 +69,22 @@ def test_a_budget_the_tmpfs_cannot_hold_is_refused_in_one_line(job, runtime, shm
     assert not (runtime / "run" / job).exists()  # refused at the command: no daemon, no log
 
 
+def test_a_tmpfs_filled_by_another_refuses_the_snapshot_and_the_trainer_goes_on(job, runtime, shm):
+    assert cli("smp", "start", "--job", job, "--memory-budget", "6MiB").returncode == 0
+    try:
+        fill(shm / "other", 7)
+        out = trainer(job, str(shm / "other"))
+        # No signal death (a negative return code): each snapshot is refused with the reason, and the next one,
+        # once the other tenant is gone, is held.
+        assert out.returncode == 0 and "trainer went on" in out.stdout, out.stderr
+        assert out.stderr.count(f"{shm} has no room for a 1.0 MiB snapshot slot") == 2, out.stderr
+        assert "`docker run --shm-size=" in out.stderr
+        status = cli("smp", "status", "--job", job)
+        assert status.returncode == 0 and "newest step held by every rank of this node: 3" in status.stdout
+    finally:
+        assert cli("smp", "stop", "--job", job, "--wipe").returncode == 0
+
+
 def test_a_restarted_smp_counts_the_snapshots_it_keeps_as_room(job, runtime, shm):
     assert cli("smp", "start", "--job", job, "--memory-budget", "5MiB").returncode == 0
     try:

@@ -102,6 +102,7 @@ class SMP:
         if old is not None:
             old.segment.close()
             old.segment.unlink()
+            self.slots[rank][index] = None  # gone: a new segment that cannot be created leaves the slot empty
         name = paths.segment_name(self.job, self.node, rank, index, generation)
         while os.path.exists(path_of(name)):  # a kept segment of another release holds this name
             generation += 1
@@ -109,7 +110,9 @@ class SMP:
         try:
             slot = Slot(Segment(name, size, create=True), generation)
         except MemoryError as e:
-            raise RequestError("budget", str(e)) from None
+            # Not "budget" (BudgetExceeded, which ends a trainer at its first snapshot): a tmpfs that something
+            # else filled may have room again for the next snapshot, so the trainer skips this one and goes on.
+            raise RequestError("space", str(e)) from None
         self.slots[rank][index] = slot
         log.info("smp node=%d event=allocate rank=%d slot=%d bytes=%d", self.node, rank, index, size)
         return slot

@@ -104,9 +104,11 @@ class Segment:
                 except OSError as e:
                     os.unlink(path_of(name))
                     if e.errno == errno.ENOSPC:
+                        free, total = capacity()
                         raise MemoryError(
-                            f"/dev/shm has no room for a {size / 2**30:.2f} GiB snapshot slot; free memory, "
-                            f"enlarge /dev/shm (mount -o remount,size=...) or lower the budget") from None
+                            f"{SHM_DIR} has no room for a {human(size)} snapshot slot ({human(free)} free of "
+                            f"{human(total)}): free it (`inmem-ft smp clean` removes stale snapshots), lower the "
+                            f"budget, or {how_to_enlarge(total + size)}") from None
                     raise
             st = os.fstat(fd)
             # The identity of the memory: a restarted SMP may unlink a segment and create another under the
