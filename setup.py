@@ -16,6 +16,7 @@ setup(
         "cryptography>=50",  # AES-GMAC over SMP-to-SMP payloads (cluster/mac.py)
         "tqdm",
         "pyeclib==1.8.0",  # only for the ISA-L shared library it bundles
+        "packaging",  # the tested-range check of the adapters (compat.py)
     ],
     extras_require={
         "deepspeed": ["deepspeed==0.19.8"],

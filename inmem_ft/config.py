@@ -134,13 +134,17 @@ class InmemFTBlock:
     reshard: str = "auto"
     """A job back on another layout (DP size, ZeRO stage): 'auto' rebuilds each rank's state from the old
     layout's snapshots; 'never' stops with LayoutMismatch instead."""
+    allow_untested: bool = False
+    """Run on a DeepSpeed / megatron-core release outside inmem_ft.compat's tested range, with a warning
+    (as $INMEM_FT_ALLOW_UNTESTED=1 does); by default such a release is refused at start."""
 
     def __post_init__(self):
         def bad(key, msg):
             raise ConfigError(f"inmem_ft config: '{key}' = {getattr(self, key)!r}: {msg}")
 
-        if not isinstance(self.enabled, bool):
-            bad("enabled", "must be true or false")
+        for key in ("enabled", "allow_untested"):
+            if not isinstance(getattr(self, key), bool):
+                bad(key, "must be true or false")
         if self.job is not None:
             try:
                 paths.check_job(self.job)

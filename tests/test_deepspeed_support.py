@@ -41,6 +41,7 @@ BUILD = textwrap.dedent("""
 
     plain = engine(torch.nn.Linear(4, 4), optimizer=ADAM)
     support.check_supported(plain)  # the layout we handle passes
+    support.check_supported(plain, version="0.19.9+abc1234")  # a source build of a patch release passes
     print("version:", refusal(plain, version="0.20.0"))
     print("pipeline:", refusal(engine(PipelineModule([torch.nn.Linear(4, 4)], num_stages=1,
                                                      loss_fn=torch.nn.MSELoss()), optimizer=ADAM)))
@@ -56,7 +57,7 @@ def test_unsupported_deepspeed_layouts_are_refused(runtime):
     assert out.returncode == 0, out.stderr[-3000:]
     said = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(":")[0] in
                 {"version", "pipeline", "moe", "offload"})
-    assert "DeepSpeed 0.20.0 is not supported (tested with 0.19.8); install deepspeed==0.19.8" in said["version"]
+    assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said["version"]
     assert "pipeline parallelism" in said["pipeline"] and "not supported" in said["pipeline"]
     assert "mixture-of-experts" in said["moe"]
     assert "optimizer offload to cpu is not supported" in said["offload"]

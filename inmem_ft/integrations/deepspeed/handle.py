@@ -332,7 +332,7 @@ def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dic
         block = InmemFTBlock.from_framework_config(engine._config._param_dict)
     if block is None or not block.enabled:
         return None
-    support.check_supported(engine)
+    support.check_supported(engine, allow_untested=block.allow_untested)
     if engine.zero_optimization_partition_weights() and engine.global_steps:
         raise ConfigError("inmem_ft: install() on a ZeRO-3 engine that already trained; call it right after "
                           "deepspeed.initialize (DeepSpeed cannot load into a trained ZeRO-3 engine)")

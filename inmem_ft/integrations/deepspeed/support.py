@@ -2,25 +2,22 @@
 capture correctly must be refused at start, not discovered at restore as a silently wrong model."""
 from __future__ import annotations
 
+from ... import compat
 from ...errors import ConfigError
 
-# The DeepSpeed release the adapter's checkpoint-engine hooks and state-dict layout were tested against
-# (docs/deepspeed-checkpoint-flow.md): save_checkpoint's file set and ZeRO's partitioning change between
-# releases.
-TESTED_VERSION = "0.19.8"
 _WITHOUT = "remove the inmem_ft block (or set \"enabled\": false) to train with DeepSpeed's own checkpoints"
 
 
-def check_supported(engine, version: str | None = None) -> None:
+def check_supported(engine, version: str | None = None, allow_untested: bool = False) -> None:
     """Raise ConfigError, one line saying what is unsupported and what to do, for an engine whose layout the
-    adapter would mis-save. `version`: DeepSpeed's (default: the installed one)."""
+    adapter would mis-save. `version`: DeepSpeed's (default: the installed one), checked against the tested
+    range of inmem_ft.compat (save_checkpoint's file set and ZeRO's partitioning change between releases);
+    `allow_untested`: run an untested one with a warning."""
     if version is None:
         import deepspeed
 
         version = deepspeed.__version__
-    if version != TESTED_VERSION:
-        raise ConfigError(f"inmem_ft: DeepSpeed {version} is not supported (tested with {TESTED_VERSION}); "
-                          f"install deepspeed=={TESTED_VERSION}, or {_WITHOUT}")
+    compat.check("deepspeed", version, allow_untested, without=_WITHOUT)
     if getattr(engine, "pipeline_parallelism", False):
         raise ConfigError(f"inmem_ft: pipeline parallelism (a PipelineModule / PipelineEngine) is not supported; "
                           f"train without pipeline stages, or {_WITHOUT}")

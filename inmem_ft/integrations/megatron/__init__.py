@@ -153,7 +153,7 @@ def install(args) -> Handle | None:
     from . import patch
 
     block = block_from_args(args)
-    patch.check_version()
+    patch.check_version(block.allow_untested)
     # What the load runs is imported here, at startup, as Megatron imports its own checkpointing code: inside
     # load_checkpoint these imports (the resharding loader's pyarrow above all) took every rank at once
     # 0.1-1.3 s of the resume.

@@ -58,10 +58,10 @@ def dp_slices(optimizer):
 class MegatronLayout:
     def __init__(self, args, model, optimizer):
         from megatron.core import parallel_state as mpu
-        from .patch import check_version
+        from .patch import installed_version
 
         self.args, self.optimizer = args, optimizer
-        self.version = check_version()
+        self.version = installed_version()  # checked by install() at startup
         self.sizes = dict(tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
                           dp=mpu.get_data_parallel_world_size(), ep=mpu.get_expert_model_parallel_world_size(),
                           vpp=args.virtual_pipeline_model_parallel_size or 1)

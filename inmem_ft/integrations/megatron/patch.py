@@ -1,25 +1,27 @@
-"""Every change this adapter makes to Megatron, in one place. All are tied to megatron-core 0.19.2
-(check_version refuses others); each says why the stock code cannot do without it.
+"""Every change this adapter makes to Megatron, in one place. All are tied to megatron-core 0.19.2 and its
+patch releases (check_version refuses others, per inmem_ft.compat); each says why the stock code cannot do
+without it.
 """
 from __future__ import annotations
 
 import functools
 
-from ...errors import ConfigError
-
-TESTED = ("0.19.2",)
+from ... import compat
 
 
-def check_version() -> str:
+def installed_version() -> str:
+    """megatron-core's release. The wheel appends '+<git hash>' when a git checkout happens to enclose
+    site-packages: not part of the release."""
     from megatron.core.package_info import __version__
 
-    # The wheel appends '+<git hash>' when a git checkout happens to enclose site-packages: not a version
-    release = __version__.split("+")[0]
-    if release not in TESTED:
-        raise ConfigError(f"--inmem-ft: megatron-core {release} is not supported; this inmem_ft is tested with "
-                          f"megatron-core {', '.join(TESTED)} (pip install --ignore-requires-python "
-                          f"megatron-core=={TESTED[-1]}), whose checkpoint hooks it patches")
-    return release
+    return __version__.split("+")[0]
+
+
+def check_version(allow_untested: bool = False) -> str:
+    """The installed release, if its checkpoint hooks are the ones patched here (else ConfigError, or with
+    `allow_untested` a warning)."""
+    return compat.check("megatron-core", installed_version(), allow_untested,
+                        without="train without --inmem-ft")
 
 
 def register_safe_classes(args=None) -> None:

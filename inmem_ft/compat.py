@@ -1,0 +1,54 @@
+"""The framework releases each adapter was tested against, in one place: the adapters check the installed
+release against it at start, and docs render it. An adapter hooks a framework's checkpoint internals (file
+sets, state-dict layouts, partitioning), which change between minor releases, so an untested release is refused
+rather than risked as a silently wrong restore; patch releases and local builds of a tested one are accepted."""
+from __future__ import annotations
+
+import logging
+import os
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .errors import ConfigError
+
+# Distribution name -> the releases tested (docs/deepspeed-checkpoint-flow.md, shared/MEGATRON.md).
+TESTED = {
+    "deepspeed": ">=0.19.8,<0.20",
+    "megatron-core": ">=0.19.2,<0.20",
+}
+ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
+_ALLOW_KEY = '"allow_untested": true in the inmem_ft block'
+
+log = logging.getLogger("inmem_ft.compat")
+
+
+def is_tested(framework: str, version: str) -> bool:
+    """Whether `version` of `framework` is in its tested range. A local label ('0.19.8+abc1234', a source
+    build) is the release it was built from; pre-releases and unparsable versions are untested."""
+    try:
+        public = Version(version).public
+    except InvalidVersion:
+        return False
+    return SpecifierSet(TESTED[framework]).contains(public)
+
+
+def allowed_by_env() -> bool:
+    return os.environ.get(ALLOW_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def check(framework: str, version: str, allow_untested: bool = False, without: str = "") -> str:
+    """Return `version` if tested; otherwise raise ConfigError, one line naming the tested range and the
+    opt-in, or, opted in (`allow_untested` or $INMEM_FT_ALLOW_UNTESTED=1), log one warning line and return it.
+    `without`: how to train without inmem_ft instead, appended to the error."""
+    if is_tested(framework, version):
+        return version
+    tested = f"{framework}{TESTED[framework]}"
+    if allow_untested or allowed_by_env():
+        log.warning("inmem_ft: %s %s is untested (tested: %s); running anyway because %s is set: check that "
+                    "a restore resumes the loss curve", framework, version, tested,
+                    _ALLOW_KEY if allow_untested else f"{ALLOW_ENV}=1")
+        return version
+    raise ConfigError(f"inmem_ft: {framework} {version} is not supported (tested: {tested}); install a tested "
+                      f"release (pip install '{tested}'), or set {ALLOW_ENV}=1 (or {_ALLOW_KEY}) to run it "
+                      f"untested{f', or {without}' if without else ''}")

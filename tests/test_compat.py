@@ -1,0 +1,80 @@
+"""Issue 26 item 2: the adapters accept the tested release ranges (patch releases, local builds of a tested
+release), refuse others in one line naming the range and the opt-in, and run an untested one when opted in."""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from inmem_ft import compat
+from inmem_ft.config import InmemFTBlock
+from inmem_ft.errors import ConfigError
+
+
+@pytest.mark.parametrize("framework, version, tested", [
+    ("deepspeed", "0.19.8", True),
+    ("deepspeed", "0.19.9", True),
+    ("deepspeed", "0.19.8+abc1234", True),  # a source build of a tested release
+    ("deepspeed", "0.19.7", False),
+    ("deepspeed", "0.20.0", False),
+    ("deepspeed", "0.20.0rc1", False),
+    ("deepspeed", "not-a-version", False),
+    ("megatron-core", "0.19.2", True),
+    ("megatron-core", "0.19.5", True),
+    ("megatron-core", "0.19.3+git1a2b3c", True),
+    ("megatron-core", "0.19.1", False),
+    ("megatron-core", "0.20.0", False),
+])
+def test_tested_ranges(framework, version, tested):
+    assert compat.is_tested(framework, version) is tested
+
+
+def test_untested_release_is_refused_in_one_line_naming_range_and_opt_in(monkeypatch):
+    monkeypatch.delenv(compat.ALLOW_ENV, raising=False)
+    with pytest.raises(ConfigError) as e:
+        compat.check("deepspeed", "0.20.0", without="remove the inmem_ft block")
+    said = str(e.value)
+    assert "\n" not in said
+    assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said
+    assert "INMEM_FT_ALLOW_UNTESTED=1" in said and '"allow_untested": true' in said
+    assert said.endswith("or remove the inmem_ft block")
+
+
+@pytest.mark.parametrize("how", ["env", "config"])
+def test_opt_in_runs_an_untested_release_with_one_warning(monkeypatch, caplog, how):
+    monkeypatch.delenv(compat.ALLOW_ENV, raising=False)
+    if how == "env":
+        monkeypatch.setenv(compat.ALLOW_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="inmem_ft"):
+        assert compat.check("megatron-core", "0.21.0", allow_untested=how == "config") == "0.21.0"
+    [record] = caplog.records
+    assert "megatron-core 0.21.0 is untested (tested: megatron-core>=0.19.2,<0.20)" in record.getMessage()
+    assert ("INMEM_FT_ALLOW_UNTESTED=1" if how == "env" else '"allow_untested": true') in record.getMessage()
+
+
+def test_env_opt_in_takes_only_a_true_value(monkeypatch):
+    monkeypatch.setenv(compat.ALLOW_ENV, "0")
+    with pytest.raises(ConfigError):
+        compat.check("deepspeed", "0.21.0")
+
+
+def test_config_key():
+    assert InmemFTBlock.from_dict({}).allow_untested is False
+    assert InmemFTBlock.from_dict({"allow_untested": True}).allow_untested is True
+    with pytest.raises(ConfigError, match="'allow_untested' = 'yes': must be true or false"):
+        InmemFTBlock.from_dict({"allow_untested": "yes"})
+
+
+def test_installed_megatron_core_passes_the_patch_check():
+    """The check megatron's install() runs, on the installed megatron-core (through the CPU shim, in a process
+    of its own as tests/test_megatron.py does)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    env.pop(compat.ALLOW_ENV, None)
+    code = ("import megatron_cpu_shim; megatron_cpu_shim.install(); "
+            "from inmem_ft.integrations.megatron import patch; print(patch.check_version())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert compat.is_tested("megatron-core", out.stdout.strip())
+
