@@ -1,13 +1,15 @@
 """inmem_ft: in-memory, erasure-coded snapshots of training state that survive trainer and node failures."""
 from ._lazy import exporter
-from .errors import (BudgetExceeded, ConfigError, InmemFTError, LayoutMismatch, SMPUnavailable,
-                     SnapshotCorrupt, SnapshotLost, UnknownFormat, UnsafeType)
+from ._version import __version__
+# The errors a user catches (cheap: errors imports nothing); LayoutChanged is the adapters' own, a LayoutMismatch.
+from .errors import (BudgetExceeded, CatalogHole, ConfigError, ForeignSegment, InmemFTError, LayoutMismatch,
+                     SMPUnavailable, SnapshotCorrupt, SnapshotLost, StepIncomplete, UnknownFormat, UnsafeType)
 
-__version__ = "0.1.0"
 _EXPORTS = {"Snapshotter": ".capture", "capture_rng_state": ".capture", "restore_rng_state": ".capture",
             "SnapshotConfig": ".config", "ShardSpec": ".snapshot", "Topology": ".snapshot", "Replicated": ".snapshot",
             "Sharded": ".snapshot", "register_safe_class": ".snapshot", "report_loss": ".telemetry",
             "log_to_stderr": ".telemetry"}
 __getattr__ = exporter(__name__, _EXPORTS)
-__all__ = [*_EXPORTS, "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded", "SnapshotCorrupt",
-           "SnapshotLost", "LayoutMismatch", "UnknownFormat", "UnsafeType"]
+__all__ = [*_EXPORTS, "__version__", "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded",
+           "SnapshotCorrupt", "SnapshotLost", "LayoutMismatch", "UnknownFormat", "UnsafeType", "StepIncomplete",
+           "CatalogHole", "ForeignSegment"]

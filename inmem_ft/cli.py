@@ -8,7 +8,8 @@ import re
 import sys
 import time
 
-from . import units
+from . import assets, units
+from ._version import __version__
 from .cluster import survival
 from .cluster.options import ECOptions, add_ec_arguments, options_from_args, peer_argv
 from .errors import ConfigError, InmemFTError, SMPUnavailable
@@ -313,8 +314,27 @@ def cmd_launch(args) -> int:
     return 0 if timeline.passed else 1
 
 
+def cmd_print_file(args) -> int:
+    path = args.lookup(args.name)
+    if args.path:
+        print(path)
+    else:
+        with open(path) as f:
+            sys.stdout.write(f.read())
+    return 0
+
+
+def _file_command(sub, name: str, lookup, names, help: str) -> None:
+    p = sub.add_parser(name, help=help)
+    p.add_argument("name", choices=sorted(names), help="which one")
+    p.add_argument("--path", action="store_true",
+                   help="print where the installed file is instead of its text (default: the text)")
+    p.set_defaults(fn=cmd_print_file, lookup=lookup)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="inmem-ft", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     smp = sub.add_parser("smp", help="the node's snapshot management process").add_subparsers(
@@ -428,6 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
     surv = sub.add_parser("survival", help="probability that an in-memory snapshot is lost, EC vs replication")
     survival.add_survival_arguments(surv)
     surv.set_defaults(fn=survival.run_survival)
+
+    _file_command(sub, "launch-script", assets.launch_script, assets.LAUNCH_SCRIPTS,
+                  "print a launch script shipped with inmem_ft: torchrun (one node: its SMP and torchrun with "
+                  "restarts) or slurm (an sbatch job running the torchrun one on every node), e.g. "
+                  "inmem-ft launch-script slurm > job.sbatch")
+    _file_command(sub, "example-config", assets.example_config, assets.EXAMPLE_CONFIGS,
+                  "print an example config with an inmem_ft block: deepspeed (ZeRO-2; also deepspeed-zero1/2/3) "
+                  "or megatron (for --inmem-ft-config)")
     return p
 
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stamp=.venv/.inmem_ft-stamp
-want=$(cat setup.py constraints.txt | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 python3 -m venv .venv
 . .venv/bin/activate

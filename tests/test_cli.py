@@ -47,7 +47,7 @@ def test_smp_start_without_a_budget_says_where_to_give_one(job, runtime):
 
 
 def test_the_shipped_deepspeed_config_starts_an_smp_as_the_readme_says(job, runtime, monkeypatch):
-    config = os.path.join(ROOT, "configs", "deepspeed_zero2.json")
+    config = os.path.join(ROOT, "inmem_ft", "configs", "deepspeed_zero2.json")
     alone = cli("smp", "start", "--job", job, "--config", config)
     assert alone.returncode == 1 and alone.stderr.count("\n") == 1 and alone.stderr.startswith(
         f"inmem-ft: error: {config} (\"parity\": 1, \"group_size\": 2) asks for erasure coding across nodes: "
@@ -196,7 +196,7 @@ def test_every_option_says_what_it_does_and_its_default():
 
     for p in parsers(build_parser()):
         for action in p._actions:
-            if action.option_strings and action.dest != "help":
+            if action.option_strings and action.dest not in ("help", "version"):
                 assert action.help, f"{p.prog} {action.option_strings}"
                 assert "default" in action.help or "required" in action.help, f"{p.prog} {action.option_strings}"
     out = cli("launch", "--help")
@@ -210,3 +210,27 @@ def test_survival_replication_row_has_numbers_or_says_why():
     assert "one full copy needs 100% extra memory, more than the 33% EC uses here" in out.stdout
     bad = cli("survival", "-N", "10", "-G", "4", "-m", "2", "--mtbf-hours", "5000", "--interval-s", "600")
     assert bad.returncode == 1 and bad.stderr.startswith("inmem-ft: error: ") and "multiple of G" in bad.stderr
+
+
+def test_version_is_the_package_version():
+    import inmem_ft
+
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout == f"inmem-ft {inmem_ft.__version__}\n"
+    with open(os.path.join(ROOT, "CHANGELOG.md")) as f:
+        assert f"## [{inmem_ft.__version__}]" in f.read()
+
+
+@pytest.mark.parametrize("command, name, first_line", [
+    ("launch-script", "torchrun", "#!/usr/bin/env bash"),
+    ("launch-script", "slurm", "#!/usr/bin/env bash"),
+    ("example-config", "deepspeed", "{"),
+    ("example-config", "megatron", "{"),
+])
+def test_shipped_files_are_printed_and_found(command, name, first_line):
+    out = cli(command, name)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == first_line
+    path = cli(command, name, "--path").stdout.strip()
+    assert os.path.isfile(path) and open(path).read() == out.stdout
+    if command == "example-config":
+        assert "inmem_ft" in json.loads(out.stdout)

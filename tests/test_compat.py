@@ -78,3 +78,10 @@ def test_installed_megatron_core_passes_the_patch_check():
     assert out.returncode == 0, out.stderr[-3000:]
     assert compat.is_tested("megatron-core", out.stdout.strip())
 
+
+def test_package_extras_declare_the_tested_ranges():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert f"deepspeed{compat.TESTED['deepspeed']}" in extras["deepspeed"]
+    assert f"megatron-core{compat.TESTED['megatron-core']}" in extras["megatron"]

@@ -186,7 +186,7 @@ def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BA
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--config", help="DeepSpeed JSON (e.g. configs/deepspeed_zero2.json); default: built in")
+    p.add_argument("--config", help="DeepSpeed JSON (e.g. `inmem-ft example-config deepspeed`); default: built in")
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=40)

@@ -3,7 +3,7 @@
 Like Megatron-LM's pretrain_gpt.py, on synthetic data: every Megatron argument works (TP, PP, DP, the
 distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provider=add_args` and
 `install(args)`. Run one process per rank with the torchrun variables set (torchrun,
-launch/torchrun_inmem.sh, `inmem-ft launch`) and an SMP per node, e.g.
+`inmem-ft launch-script torchrun`, `inmem-ft launch`) and an SMP per node, e.g.
 
     inmem-ft launch --nodes 1 --ranks-per-node 2 --kill-rank 7:1 -- -m inmem_ft.examples.megatron_gpt \\
         --tensor-model-parallel-size 2 --train-iters 12 --inmem-ft --inmem-ft-interval 3

@@ -29,7 +29,7 @@ class SMPClient:
             raise SMPUnavailable(
                 f"no SMP is listening on {self.socket_path} ({e.strerror or e}); start the node's daemon with "
                 f"`inmem-ft smp start --job <job> --node <node> --memory-budget <size>` or launch through "
-                f"launch/torchrun_inmem.sh") from None
+                f"the script `inmem-ft launch-script torchrun` prints") from None
         return sock
 
     def call(self, op: str, **fields) -> dict:

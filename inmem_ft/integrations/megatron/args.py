@@ -61,7 +61,7 @@ def read_block(path: str) -> InmemFTBlock:
         except ValueError as e:
             raise ConfigError(f"{path}: not JSON: {e}") from None
     if not isinstance(config, dict) or "inmem_ft" not in config:
-        raise ConfigError(f"{path}: no \"inmem_ft\" block at the top level (see configs/megatron_gpt.json)")
+        raise ConfigError(f"{path}: no \"inmem_ft\" block at the top level (see `inmem-ft example-config megatron`)")
     return InmemFTBlock.from_framework_config(config)
 
 

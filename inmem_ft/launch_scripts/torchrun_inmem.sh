@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # torchrun_inmem.sh: run one node of an inmem_ft-protected torchrun job.
 #
-# Usage (on every node, the same command):
+# Usage (on every node, the same command; `inmem-ft launch-script torchrun > torchrun_inmem.sh` writes it out):
 #   INMEM_FT_JOB=myjob INMEM_FT_MEMORY_BUDGET=64GiB \
 #   NNODES=4 NODE_RANK=<0..3> NPROC_PER_NODE=8 MASTER_ADDR=node0 MASTER_PORT=29500 \
-#     launch/torchrun_inmem.sh train.py --train-args...
+#     bash torchrun_inmem.sh train.py --train-args...
 #
 # What it does on this node:
 #   1. checks its inputs (a clear message and exit code 2 on a bad one);
