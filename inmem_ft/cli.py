@@ -14,6 +14,7 @@ from .cluster.options import ECOptions, add_ec_arguments, options_from_args, pee
 from .errors import ConfigError, InmemFTError, SMPUnavailable
 from .smp import control, inventory, paths
 from .smp.daemon import check_budget_fits
+from .smp.metrics import add_metrics_arguments, metrics_argv
 from .smp.segments import namespace
 
 # Below this a budget holds the two slots of only a toy model's ranks: worth a warning, not an error.
@@ -113,6 +114,7 @@ def cmd_smp_start(args) -> int:
     if args.persist_dir:
         extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every", str(args.persist_every or 0),
                   "--persist-keep", str(args.persist_keep or 2)]
+    extra += metrics_argv(args)
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
           f"{'' if ec is None else f', erasure coding with m={ec.parity} across {ec.nodes} nodes'}")
@@ -347,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--persist-keep", type=int, default=None, metavar="K",
                        help="flushed steps kept per node (default: the config's persist_keep, else 2)")
     add_ec_arguments(start)
+    add_metrics_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")
     _node_args(stop)

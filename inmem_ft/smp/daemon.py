@@ -88,6 +88,7 @@ class SMP:
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
         self.disk = None  # disktier.DiskTier: periodic flush, SIGTERM flush, adoption at start
         self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
+        self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
         self.counts = dict.fromkeys(COUNTS, 0)
 
@@ -635,6 +636,8 @@ class SMP:
                 self.peers.close()
             if self.disk is not None:
                 self.disk.close()
+            if self.metrics is not None:
+                self.metrics.close()
             if self.node_lock is not None:
                 self.node_lock.release()  # before the socket goes: `smp stop` returns once it is gone
             if os.path.exists(self.socket_path):
