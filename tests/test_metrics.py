@@ -128,3 +128,51 @@ def test_metrics_port_in_use_is_one_line_and_no_smp(job, runtime):
     assert out.returncode == 1 and len(errors) == 1, out.stderr
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: Address already in use" in errors[0]
     assert "no SMP is listening" in cli("smp", "status", "--job", job).stderr
+
+
+def test_erasure_coding_disk_and_peer_metrics(job, runtime, monkeypatch):
+    """The families an EC group and its peer links add, from the same state `smp status` shows."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from conftest import wait_protected
+    from inmem_ft.launcher.simulated import SimulatedCluster
+    from inmem_ft.smp import control
+    from inmem_ft.smp.metrics import StatusCollector
+    from test_ec_cluster import SECRET, write_step
+
+    monkeypatch.setenv("INMEM_FT_SECRET", SECRET)
+    cluster = SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs"), parity=1).start()
+    try:
+        write_step(cluster, 1)
+        write_step(cluster, 2)
+        wait_protected(cluster, 2)
+        status = control.status(job, 0, cluster.socket_path(0))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatusCollector(lambda: status))
+        found = samples(generate_latest(registry).decode())
+    finally:
+        cluster.stop()
+    ec = status["ec"]
+    assert value(found, "inmem_ft_ec_protected_step", job=job) == ec["protected_step"] == 2
+    assert value(found, "inmem_ft_ec_parity_bytes", job=job) == ec["parity_bytes"] > 0
+    assert value(found, "inmem_ft_ec_lag_seconds", job=job) == ec["ec_lag_s"] >= 0
+    assert value(found, "inmem_ft_ec_rebuilds_total", job=job) == ec["rebuilds"] == 0
+    assert value(found, "inmem_ft_ec_rebuild_running", job=job) == 0
+    assert status["peers"] == [{"node": 1, "addr": status["peers"][0]["addr"], "state": "up"}]
+    assert value(found, "inmem_ft_peer_up", job=job, peer="1") == 1
+    check_against_status(found, status)
+
+
+def test_counters_count_what_the_log_says(job, smp):
+    from inmem_ft.smp import paths
+    from inmem_ft.smp.client import SMPClient
+
+    client = SMPClient(smp[0])
+    client.call("begin", rank=0, step=1, manifest_len=100, data_len=100, reserve=True)
+    client.close()  # the trainer is gone mid-write: its slot is torn
+    deadline = time.monotonic() + 10
+    while inmem_ft.status(job)["counters"]["torn"] != 1:
+        assert time.monotonic() < deadline, inmem_ft.status(job)
+        time.sleep(0.05)
+    assert "event=torn rank=0 step=1" in open(paths.default_log(job, 0)).read()
+    assert "0 commits, 0 snapshots skipped, 1 torn and 0 corrupt" in cli("smp", "status", "--job", job).stdout
