@@ -54,8 +54,8 @@ class Slot:
     def __init__(self, segment: Segment, generation: int, source: str = "memory"):
         self.segment, self.generation = segment, generation
         self.source = source  # "memory", or "peer reconstruction" for a slot rebuilt from the EC group
-        # When its step was committed, for the age of the newest snapshot: a slot adopted at start had it
-        # written last when its segment file was.
+        # When its step was committed, for the age of the newest snapshot. A slot adopted at start takes its
+        # segment file's mtime, which writes through the mapping need not move: the age is then an upper bound.
         self.committed_at = os.stat(path_of(segment.name)).st_mtime
 
     @property
