@@ -15,6 +15,7 @@ from .cluster.options import ECOptions, add_ec_arguments, options_from_args, pee
 from .errors import ConfigError, InmemFTError, SMPUnavailable
 from .smp import control, inventory, paths
 from .smp.daemon import check_budget_fits
+from .smp.metrics import add_metrics_arguments, metrics_argv
 from .smp.segments import namespace
 
 # Below this a budget holds the two slots of only a toy model's ranks: worth a warning, not an error.
@@ -114,6 +115,7 @@ def cmd_smp_start(args) -> int:
     if args.persist_dir:
         extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every", str(args.persist_every or 0),
                   "--persist-keep", str(args.persist_keep or 2)]
+    extra += metrics_argv(args)
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
           f"{'' if ec is None else f', erasure coding with m={ec.parity} across {ec.nodes} nodes'}")
@@ -135,32 +137,42 @@ def cmd_smp_stop(args) -> int:
     return 0
 
 
-def held_step(status: dict) -> int | None:
-    """The newest step every rank on this node holds committed: known from the slots alone, so also right
-    after an SMP restart, before any trainer has reported what the whole job completed."""
-    held = [{s["step"] for s in r["slots"] if s["state"] == "committed"} for r in status["ranks"]]
-    common = set.intersection(*held) if held else set()
-    return max(common, default=None)
+def _or(value, text: str = "none yet") -> str:
+    """A step, age or lag, or what its absence means: never "None"."""
+    return text if value is None else str(value)
+
+
+def _lag(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f} s"
 
 
 def format_status(status: dict) -> str:
-    complete = status["complete_step"]
+    held, age = status["held_step"], status["held_age_s"]
+    counts = status["counters"]
     lines = [f"job {status['job']}  node {status['node']}  pid {status['pid']}  up {status['uptime_s']} s",
              f"memory  {units.human(status['used'])} used of {units.human(status['budget'])} budget",
-             f"newest step held by every rank of this node: {status['held_step']}",
-             f"newest step the trainers reported complete on every rank of the job: "
-             f"{'none yet' if complete is None else complete}",
+             f"newest step held by every rank of this node: {_or(held)}"
+             f"{'' if age is None else f' (committed {format_age(age)} ago)'}",
+             f"newest step the trainers reported complete on every rank of the job: {_or(status['complete_step'])}",
+             f"since start: {counts['commits']} commits, {counts['skipped']} snapshots skipped, {counts['torn']} "
+             f"torn and {counts['corrupt']} corrupt slots discarded",
              f"{'rank':>6} {'slot':>4} {'state':<10} {'step':>8} {'bytes':>12}"]
     for rank in status["ranks"]:
         for slot in rank["slots"]:
             lines.append(f"{rank['rank']:>6} {slot['slot']:>4} {slot['state']:<10} "
-                         f"{'' if slot['step'] is None else slot['step']:>8} {units.human(slot['bytes']):>12}")
-    ec = status.get("ec")
+                         f"{_or(slot['step'], '-'):>8} {units.human(slot['bytes']):>12}")
+    ec = status["ec"]
     if ec:
-        lag = "-" if ec["ec_lag_s"] is None else f"{ec['ec_lag_s']:.2f} s"
         lines.append(f"erasure coding: group {ec['group']}, survives {ec['m']} lost node(s); newest protected "
-                     f"step {ec['protected_step']}; EC lag {lag}; parity {units.human(ec['parity_bytes'])}; "
-                     f"rebuild {ec['rebuild']}")
+                     f"step {_or(ec['protected_step'])}; EC lag {_lag(ec['ec_lag_s'])}; parity "
+                     f"{units.human(ec['parity_bytes'])}; rebuild {ec['rebuild']}, {ec['rebuilds']} done")
+    disk = status["disk"]
+    lines.append("disk tier: off (no --persist-dir)" if not disk else
+                 f"disk tier: {disk['dir']}; newest step flushed {_or(disk['flushed_step'])}; flush lag "
+                 f"{_lag(disk['flush_lag_s'])}; {disk['flush_failures']} failed flushes")
+    links = status["peers"]
+    lines.append("peer links: none (no --peers)" if not links else "peer links (how the last call went): " +
+                 ", ".join(f"node {p['node']} {p['addr']} {p['state']}" for p in links))
     return "\n".join(lines)
 
 
@@ -185,17 +197,15 @@ def format_stale(rows: list[dict]) -> str:
 
 
 def cmd_smp_status(args) -> int:
-    now = time.time()
-    stale = [g.as_dict(now) for g in inventory.stale()]
     try:
-        status = control.call(_socket(args), "status")
+        status = control.status(args.job, args.node, _socket(args))
     except SMPUnavailable:
         # Still show what is left in shared memory: with no SMP running, that is what an operator asks about.
+        now = time.time()
+        stale = [g.as_dict(now) for g in inventory.stale()]
         print(json.dumps({"stale": stale}, indent=2) if args.json else format_stale(stale))
         raise
-    status["held_step"] = held_step(status)
-    status["stale"] = stale
-    print(json.dumps(status, indent=2) if args.json else format_status(status) + "\n" + format_stale(stale))
+    print(json.dumps(status, indent=2) if args.json else format_status(status) + "\n" + format_stale(status["stale"]))
     return 0
 
 
@@ -359,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--persist-keep", type=int, default=None, metavar="K",
                        help="flushed steps kept per node (default: the config's persist_keep, else 2)")
     add_ec_arguments(start)
+    add_metrics_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
     stop = smp.add_parser("stop", help="stop the node's SMP")
     _node_args(stop)

@@ -29,7 +29,7 @@ def test_smp_from_the_deepspeed_config_block(job, runtime):
     assert started.returncode == 0, started.stderr
     try:
         status = cli("smp", "status", "--job", job)
-        assert "64.0 MiB budget" in status.stdout and "held by every rank of this node: None" in status.stdout
+        assert "64.0 MiB budget" in status.stdout and "held by every rank of this node: none yet" in status.stdout
         assert json.loads(cli("smp", "status", "--job", job, "--json").stdout)["budget"] == 64 << 20
     finally:
         assert cli("smp", "stop", "--job", job, "--wipe").returncode == 0

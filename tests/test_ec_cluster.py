@@ -103,6 +103,7 @@ def test_every_loss_of_at_most_m_nodes_rebuilds_byte_identical(job, runtime, m):
         assert "event=rebuilt step=2" in log and "rebuild node 0 step 2: 100%" in log
         status = control.call(cluster.socket_path(0), "status")
         assert status["ec"]["protected_step"] == 2 and status["ec"]["rebuild"] == "ok"
+        assert status["ec"]["rebuilds"] == 1  # node 0's SMP now is the one that replaced it
     finally:
         cluster.stop()
 

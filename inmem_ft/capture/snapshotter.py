@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,18 +36,39 @@ from .restore import NO_STEP, RestoreInfo, Restorer
 log = logging.getLogger("inmem_ft.capture")
 
 
+# Stalls kept for percentiles: a job snapshotting every step for weeks must not grow a list without bound; the
+# count, total and maximum cover the whole run.
+STALL_WINDOW = 1024
+
+
 @dataclass
 class Metrics:
     snapshots: int = 0
     failures: int = 0
     last_stall_s: float = 0.0
     total_stall_s: float = 0.0
+    max_stall_s: float = 0.0
+    stall_count: int = 0
     last_commit_s: float = 0.0
     last_bytes: int = 0
-    stalls_s: list[float] = field(default_factory=list)
+    stalls_s: deque[float] = field(default_factory=lambda: deque(maxlen=STALL_WINDOW))  # the newest stalls
     skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
     planned: int = 0  # snapshots laid out afresh (the first, and any after the state's structure changed)
     stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
+
+    def add_stall(self, seconds: float) -> None:
+        self.last_stall_s = seconds
+        self.total_stall_s += seconds
+        self.max_stall_s = max(self.max_stall_s, seconds)
+        self.stall_count += 1
+        self.stalls_s.append(seconds)
+
+    def extend_stall(self, seconds: float) -> None:
+        """The last stall went on by `seconds` (a fence waited for its copy)."""
+        self.last_stall_s += seconds
+        self.total_stall_s += seconds
+        self.stalls_s[-1] += seconds
+        self.max_stall_s = max(self.max_stall_s, self.last_stall_s)
 
 
 @dataclass
@@ -201,9 +223,8 @@ class Snapshotter:
             fatal = isinstance(e, BudgetExceeded) and not self._reserved
         stall = time.perf_counter() - t0
         m = self.metrics
-        m.last_stall_s, m.last_bytes = stall, plan.data_len if plan else 0
-        m.total_stall_s += stall
-        m.stalls_s.append(stall)
+        m.last_bytes = plan.data_len if plan else 0
+        m.add_stall(stall)
         if self._heartbeat:
             self._heartbeat.beat(step=step, snapshot_step=step, stall_s=stall, bytes=m.last_bytes)
         self._copied = threading.Event()
@@ -263,9 +284,7 @@ class Snapshotter:
         self._copier.fence(work)
         self._copied.wait()
         waited = time.perf_counter() - t0
-        self.metrics.last_stall_s += waited
-        self.metrics.total_stall_s += waited
-        self.metrics.stalls_s[-1] += waited
+        self.metrics.extend_stall(waited)
 
     def before_change(self, finish) -> None:
         """Call `finish()` at the next fence(), before the state next changes or is snapshotted."""

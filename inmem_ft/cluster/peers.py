@@ -40,6 +40,11 @@ class Peers:
         """Every node of the job this SMP knows of, itself included."""
         return sorted(self.addresses) or [self.node]
 
+    def links(self) -> list[dict]:
+        """Each peer node, its address and how the last call to it went: "up", "down", or "unknown" (not yet
+        called)."""
+        return [{"node": n, "addr": "%s:%d" % c.addr, "state": c.state} for n, c in sorted(self.clients.items())]
+
     def register(self, op: str, handler, members=None) -> None:
         """Serve `op` with `handler(peer, header, payload) -> (reply, pieces)`; `members`: the only nodes
         allowed to ask (an EC group), None for any node holding the job secret."""

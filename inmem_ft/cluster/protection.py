@@ -76,6 +76,7 @@ class Protector:
         self._epoch = 0  # bumped by restored(): a failure of a protection begun before says nothing of now
         self.rebuild_done = threading.Event()
         self.rebuild_error: str | None = None
+        self.rebuilds = 0  # rebuilds of this node's slots from the group that finished, since this SMP started
         self._wake = threading.Condition()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class Protector:
     def status(self) -> dict:
         return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
                 "parity_steps": {s: ps.state for s, ps in sorted(self.sets.items())}, "ec_lag_s": self.lag_s,
-                "parity_bytes": self.parity_bytes(),
+                "parity_bytes": self.parity_bytes(), "rebuilds": self.rebuilds,
                 "rebuild": "running" if not self.rebuild_done.is_set() else (self.rebuild_error or "ok")}
 
     def parity_bytes(self) -> int:
@@ -369,3 +370,4 @@ class Protector:
                 f"{self.node} cannot be rebuilt; restore the job from the next tier (disk)")
         step = max(usable)
         rebuild.Rebuild(self, step, next(iter(states.values()))["built"][str(step)], lost, self.piece, was).run()
+        self.rebuilds += 1

@@ -317,6 +317,7 @@ class PeerClient:
         self._channel: Channel | None = None
         self._lock = threading.Lock()
         self._timed_out: tuple[float, str] | None = None  # (monotonic time, why) of the last timeout
+        self.state = "unknown"  # "up" or "down": how the last call went (`smp status`, the metrics)
 
     def call(self, header: dict, pieces=(), into: np.ndarray | None = None) -> tuple[dict, np.ndarray]:
         with self._lock:
@@ -351,12 +352,15 @@ class PeerClient:
                     why = f"peer node {self.peer} at {self.addr[0]}:{self.addr[1]} {_why_unreachable(e, self.timeout_s)}"
                     if isinstance(e, TimeoutError):
                         self._timed_out = (time.monotonic(), why)
+                    self.state = "down"
                     raise PeerUnavailable(why) from None
                 except AuthError as e:
                     self._close_locked()
+                    self.state = "down"
                     log.warning("transport node=%d event=refused peer=%d addr=%s:%d reason=%s", self.node,
                                 self.peer, *self.addr, e)
                     raise
+        self.state = "up"  # it answered, also when it refused the request
         if not reply.pop("ok", False):
             raise PeerRefused(f"peer node {self.peer} refused {header.get('op')!r}: {reply.get('error')}",
                               reply.get("code"))

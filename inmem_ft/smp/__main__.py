@@ -12,6 +12,7 @@ from ..telemetry import log_to_stderr
 from . import paths
 from .daemon import SMP, check_budget_fits
 from .disktier import DiskTier
+from .metrics import Exporter, add_metrics_arguments
 from .nodelock import NodeLock
 
 
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--persist-keep", type=int, default=2, metavar="K",
                    help="flushed steps kept per node (default 2)")
     add_ec_arguments(p)
+    add_metrics_arguments(p)
     args = p.parse_args(argv)
     log_to_stderr()
     smp = None
@@ -50,6 +52,8 @@ def main(argv=None) -> int:
             smp.protector = make_protector(smp, ec, smp.peers)
             smp.protector.adopt()
         smp.reads = SlotReads(smp, smp.peers, smp.protector)
+        if args.metrics_port or args.metrics_textfile:
+            smp.metrics = Exporter(smp.status, args.metrics_port, args.metrics_addr, args.metrics_textfile)
     except (InmemFTError, OSError, ValueError) as e:
         # One line in the log, which `inmem-ft smp start` shows: setup errors are the user's to fix.
         logging.getLogger("inmem_ft.smp").error("smp node=%d event=failed reason=%s", args.node, e)

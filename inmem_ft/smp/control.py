@@ -66,6 +66,28 @@ def call(socket_path: str, op: str, **fields) -> dict:
         client.close()
 
 
+def status(job: str = "default", node: int = 0, socket_path: str | None = None) -> dict:
+    """What `inmem-ft smp status --json` prints for the SMP of `job` on `node` (on this machine): raises
+    SMPUnavailable when none answers. Times are seconds, sizes bytes; a step, age or lag not known yet is None.
+
+    job, node, pid, uptime_s; budget and used (shared memory, parity included); complete_step: the newest step
+    the trainers reported complete on every rank of the job; held_step: the newest step every rank that runs
+    here holds committed, and held_age_s: how long ago its last rank committed it; ranks: [{rank, slots:
+    [{slot, state ("committed", "writing", "empty"), step, bytes (data), capacity (segment size)}]}];
+    counters since the SMP started: {commits, skipped, torn, corrupt}; ec (None without erasure coding):
+    {group, m, protected_step, parity_steps, ec_lag_s (from complete to protected, of the newest protected
+    step), parity_bytes, rebuilds, rebuild ("running", "ok" or why it failed)}; disk (None without a disk
+    tier): {dir, every, flushed_step, flush_lag_s (from complete to on disk, of the last flush),
+    flush_failures}; peers: [{node, addr, state ("up", "down" or "unknown": how the last call to it went)}];
+    stale: the segments in shared memory that no running SMP serves, of any job (inventory.NodeSegments)."""
+    from . import inventory  # it imports the daemon: only for this call, not for every user of control
+
+    found = call(socket_path or paths.default_socket(job, node), "status")
+    now = time.time()
+    found["stale"] = [g.as_dict(now) for g in inventory.stale()]
+    return found
+
+
 def stop(socket_path: str, wipe: bool = False, wait_s: float = 10.0) -> None:
     call(socket_path, "shutdown", wipe=wipe)
     deadline = time.monotonic() + wait_s

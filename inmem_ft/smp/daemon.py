@@ -29,6 +29,9 @@ log = logging.getLogger("inmem_ft.smp")
 SLOTS_PER_RANK = 2
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
+# The events SMP.counts counts: commits sealed, snapshots skipped (a begin found both slots pinned), slots found
+# torn (a write that never committed) and corrupt (failing a checksum), each discarded.
+COUNTS = ("commits", "skipped", "torn", "corrupt")
 
 
 # Error classes the client raises again from a reply's `code` (smp/client.py maps them back).
@@ -51,6 +54,9 @@ class Slot:
     def __init__(self, segment: Segment, generation: int, source: str = "memory"):
         self.segment, self.generation = segment, generation
         self.source = source  # "memory", or "peer reconstruction" for a slot rebuilt from the EC group
+        # When its step was committed, for the age of the newest snapshot. A slot adopted at start takes its
+        # segment file's mtime, which writes through the mapping need not move: the age is then an upper bound.
+        self.committed_at = os.stat(path_of(segment.name)).st_mtime
 
     @property
     def header(self) -> seg.Header | None:
@@ -82,6 +88,9 @@ class SMP:
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
         self.disk = None  # disktier.DiskTier: periodic flush, SIGTERM flush, adoption at start
         self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
+        self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
+        # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
+        self.counts = dict.fromkeys(COUNTS, 0)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -177,8 +186,10 @@ class SMP:
                 segment.close()
                 continue
             except (SnapshotCorrupt, ValueError, OSError) as e:
-                log.warning("smp node=%d event=%s segment=%s reason=%s: slot discarded", self.node,
-                            self._defect(segment), name, e)
+                defect = self._defect(segment)
+                if defect in self.counts:
+                    self.counts[defect] += 1
+                log.warning("smp node=%d event=%s segment=%s reason=%s: slot discarded", self.node, defect, name, e)
                 if segment is not None:
                     segment.close()
                 unlink(name)
@@ -202,6 +213,7 @@ class SMP:
             if slot is not None and slot.header is None and not seg.is_blank(slot.segment.buf):
                 log.warning("smp node=%d event=corrupt rank=%d slot=%d segment=%s reason=slot header fails its "
                             "checksum: slot discarded", self.node, rank, i, slot.segment.name)
+                self.counts["corrupt"] += 1
                 slot.blank()
 
     # ---- requests ---------------------------------------------------------------------------------------
@@ -249,6 +261,7 @@ class SMP:
         self.moved.pop(rank, None)  # it runs here (again)
         pins = self._pins(rank, step, slots, keep)
         if pins is None:
+            self.counts["skipped"] += 1
             return {"skipped": (f"erasure_coding_lag: both slots of rank {rank} hold steps that must survive (step "
                                 f"{keep}, complete, is not protected yet; step {self.protector.protected} is): "
                                 f"step {step} is not snapshotted")}
@@ -260,6 +273,7 @@ class SMP:
                 log.warning("smp node=%d event=skipped rank=%d step=%d reason=disk_flush_lag: step %s is still being "
                             "flushed, step %s is complete; both slots are pinned", self.node, rank, step,
                             ",".join(map(str, sorted(flushing))), keep)
+                self.counts["skipped"] += 1
                 return {"skipped": (f"disk_flush_lag: both slots of rank {rank} hold steps that must survive (steps "
                                     f"{sorted(flushing)} are being flushed to disk, step {keep} is complete): step "
                                     f"{step} is not snapshotted")}
@@ -325,6 +339,8 @@ class SMP:
             raise RequestError("corrupt", f"rank {rank} step {step}: manifest names another rank/step")
         header.state, header.manifest_hash = seg.COMMITTED, checksum(raw)
         header.write(slot.segment.buf)
+        slot.committed_at = time.time()
+        self.counts["commits"] += 1
         del self.writers[rank]
         log.info("smp node=%d event=commit rank=%d step=%d bytes=%d", self.node, rank, step, header.data_len)
         return {}
@@ -339,6 +355,7 @@ class SMP:
             slot = self.slots[rank][index]
             header = slot.header
             slot.blank()
+            self.counts["torn"] += 1
             log.warning("smp node=%d event=torn rank=%d step=%s reason=%s: slot discarded", self.node, rank,
                         header.step if header else "?", why)
 
@@ -477,6 +494,7 @@ class SMP:
                 log.warning("smp node=%d event=corrupt rank=%d step=%d slot=%d segment=%s reason=a region failed its "
                             "checksum in the trainer's restore: slot discarded", self.node, rank, step, i,
                             slot.segment.name)
+                self.counts["corrupt"] += 1
                 slot.blank()
         return {}
 
@@ -495,6 +513,16 @@ class SMP:
         return {}
 
     def op_status(self, msg, conn_id):
+        return self.status()
+
+    def status(self) -> dict:
+        """What `smp status`, inmem_ft.status() and the metrics show (inmem_ft/smp/control.py documents the
+        fields): read from the live slots at each call, so the three always agree."""
+        with self.lock:
+            return self._status()
+
+    def _status(self) -> dict:
+        now = time.time()
         ranks = []
         for rank in sorted(self.slots):
             slots = []
@@ -506,10 +534,20 @@ class SMP:
                 slots.append({"slot": i, "state": state, "step": h.step if h and h.state else None,
                               "bytes": h.data_len if h and h.state else 0, "capacity": slot.segment.size})
             ranks.append({"rank": rank, "slots": slots})
+        held = self.complete_steps_held()
+        held_step = held[-1] if held else None
         return {"job": self.job, "node": self.node, "pid": os.getpid(), "budget": self.budget,
                 "used": self.used_bytes(), "complete_step": self.complete_step, "ranks": ranks,
-                "uptime_s": round(time.time() - self.started, 1),
-                "ec": self.protector.status() if self.protector is not None else None}
+                "uptime_s": round(now - self.started, 1), "held_step": held_step,
+                "held_age_s": None if held_step is None else round(now - self._committed_at(held_step), 1),
+                "counters": dict(self.counts),
+                "ec": self.protector.status() if self.protector is not None else None,
+                "disk": self.disk.status() if self.disk is not None else None,
+                "peers": self.peers.links() if self.peers is not None else []}
+
+    def _committed_at(self, step: int) -> float:
+        """When the last rank running here committed `step`: from then on every rank held it."""
+        return max(slot.committed_at for rank, slot in self.committed(step=step) if rank not in self.moved)
 
     def op_shutdown(self, msg, conn_id):
         if self.disk is not None:
@@ -598,6 +636,8 @@ class SMP:
                 self.peers.close()
             if self.disk is not None:
                 self.disk.close()
+            if self.metrics is not None:
+                self.metrics.close()
             if self.node_lock is not None:
                 self.node_lock.release()  # before the socket goes: `smp stop` returns once it is gone
             if os.path.exists(self.socket_path):

@@ -80,6 +80,12 @@ class DiskTier:
         self._queued = -1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="inmem_ft-flush")
         self._last: Future | None = None
+        # For `smp status` and the metrics: the newest step this node has on disk, how long after the job
+        # completed it the last flush finished, and how many flushes failed since this SMP started.
+        flushed = flushed_steps(self.dir)
+        self.flushed_step: int | None = max(flushed) if flushed else None
+        self.flush_lag_s: float | None = None
+        self.flush_failures = 0
 
     # ---- periodic flush -----------------------------------------------------------------------------------
     def complete(self, step: int) -> None:
@@ -93,14 +99,16 @@ class DiskTier:
             log.error("smp node=%d event=flush_failed step=%d reason=%s", self.smp.node, step, e)
             return
         self.pinned = self.pinned | {step}
-        self._last = self._pool.submit(self._flush, step, views)
+        self._last = self._pool.submit(self._flush, step, views, time.time())
 
-    def _flush(self, step: int, views: dict) -> None:
+    def _flush(self, step: int, views: dict, completed_at: float) -> None:
         t0 = time.perf_counter()
         try:
             nbytes = self._write(step, views)
             self._retain()
+            self._flushed(step, completed_at)
         except Exception as e:  # a full or missing disk must not take the SMP (and the memory tier) down
+            self.flush_failures += 1
             log.error("smp node=%d event=flush_failed step=%d dir=%s reason=%s: %s", self.smp.node, step, self.dir,
                       type(e).__name__, e)
             return
@@ -110,6 +118,14 @@ class DiskTier:
             self.pinned = self.pinned - {step}
         log.info("smp node=%d event=flushed step=%d ranks=%s bytes=%d seconds=%.3f dir=%s", self.smp.node, step,
                  ",".join(map(str, sorted(views))), nbytes, time.perf_counter() - t0, self.dir)
+
+    def _flushed(self, step: int, completed_at: float) -> None:
+        self.flushed_step = max(step, self.flushed_step if self.flushed_step is not None else step)
+        self.flush_lag_s = round(time.time() - completed_at, 3)
+
+    def status(self) -> dict:
+        return {"dir": self.dir, "every": self.every, "flushed_step": self.flushed_step,
+                "flush_lag_s": self.flush_lag_s, "flush_failures": self.flush_failures}
 
     def drain(self) -> None:
         """Until the flush in progress (if any) is on disk."""
@@ -143,6 +159,7 @@ class DiskTier:
                 for view in views.values():
                     view.release()
             self._retain(protect=set(by_step))
+            self._flushed(max(by_step), time.time())
         log.info("smp node=%d event=spill steps=%s files=%d dir=%s", smp.node, ",".join(map(str, sorted(by_step))),
                  files, self.dir)
         return sorted(by_step)
