@@ -16,8 +16,5 @@ DS_BUILD_OPS=0 python -m pip install -q -c constraints.txt -e '.[test]'
 # megatron-core 0.19.2 declares Python >= 3.12, yet its wheel installs and runs on 3.11 with the flag below
 # (shared/MEGATRON.md). Never nvidia-resiliency-ext: on 3.11 it breaks `import megatron.core`.
 python -m pip install -q -c constraints.txt 'numpy<2.4' psutil
-# The SMP's Prometheus metrics (--metrics-port, --metrics-textfile); a dependency of the package once setup.py
-# becomes pyproject.toml.
-python -m pip install -q -c constraints.txt prometheus_client
 python -m pip install -q -c constraints.txt --ignore-requires-python megatron-core==0.19.2
 echo "$want" > "$stamp"
