@@ -20,7 +20,7 @@ class ECOptions:
     nodes: int
     peers: str  # NODE=HOST:PORT,... for every node (at least every member of this node's group)
     group_size: int | None = None  # default: groups.default_group_size
-    secret_file: str | None = None  # default: INMEM_FT_SECRET
+    secret_file: str | None = None  # None: the secret itself is in $INMEM_FT_SECRET
     bandwidth: int | None = None  # bytes/s of outgoing parity traffic; None: uncapped
     peer_wait_s: float = 0.0  # an empty SMP waits this long for peers not yet listening (see Protector)
     rebuild_piece: int | None = None  # bytes per pull when rebuilding a lost node; None: rebuild.PIECE
@@ -66,7 +66,8 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=None, metavar="NODE=HOST:PORT,...",
                    help="SMP-to-SMP address of every node (default: none: this node's snapshots only)")
     p.add_argument("--secret-file", default=None, metavar="PATH",
-                   help="per-job secret of at least 16 bytes, mode 0600 (default: $INMEM_FT_SECRET)")
+                   help="file holding the per-job secret (at least 16 bytes), mode 0600 (default: none: the secret "
+                        "itself is then read from $INMEM_FT_SECRET)")
     p.add_argument("--ec-bandwidth", type=units.argparse_size, default=None, metavar="BYTES_PER_S",
                    help="cap on outgoing SMP-to-SMP bulk traffic, bytes per second (default: uncapped)")
     p.add_argument("--peer-wait", type=float, default=0.0, metavar="SECONDS",

@@ -44,7 +44,7 @@
 #                           signalled (preemption, scancel, requeue, time limit), writes the newest step
 #                           complete on every rank before it exits; a later SMP of the same job and node
 #                           that finds nothing in shared memory starts from it (restore logs
-#                           source=disk_spill). Size it for one snapshot per rank of the node.
+#                           source=disk). Size it for one snapshot per rank of the node.
 #   INMEM_FT_RUNTIME_DIR    where SMP sockets and logs go (default $XDG_RUNTIME_DIR/inmem_ft or
 #                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
 #   PYTHON, TORCHRUN        the interpreter and torchrun to use (default: `python`, `torchrun` on PATH)
