@@ -201,8 +201,7 @@ def cmd_smp_status(args) -> int:
         status = control.status(args.job, args.node, _socket(args))
     except SMPUnavailable:
         # Still show what is left in shared memory: with no SMP running, that is what an operator asks about.
-        now = time.time()
-        stale = [g.as_dict(now) for g in inventory.stale()]
+        stale = inventory.stale_rows()
         print(json.dumps({"stale": stale}, indent=2) if args.json else format_stale(stale))
         raise
     print(json.dumps(status, indent=2) if args.json else format_status(status) + "\n" + format_stale(status["stale"]))

@@ -48,7 +48,7 @@ def destroy_process_groups() -> None:
 
     from .capture import agreement
 
-    agreement._destroy_all()
+    agreement.destroy_all()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -33,12 +33,12 @@ def _made_group(group):
     with _made_lock:
         _made.append(group)
         if not _atexit_registered:
-            atexit.register(_destroy_all)
+            atexit.register(destroy_all)
             _atexit_registered = True
     return group
 
 
-def _destroy_all() -> None:
+def destroy_all() -> None:
     """atexit: destroy every group of ours that no close did (an exception ended the trainer, or its
     Snapshotter was dropped unclosed), and drop every reference of ours to them, so that they go now."""
     with _made_lock:

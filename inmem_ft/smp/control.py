@@ -83,8 +83,7 @@ def status(job: str = "default", node: int = 0, socket_path: str | None = None) 
     from . import inventory  # it imports the daemon: only for this call, not for every user of control
 
     found = call(socket_path or paths.default_socket(job, node), "status")
-    now = time.time()
-    found["stale"] = [g.as_dict(now) for g in inventory.stale()]
+    found["stale"] = inventory.stale_rows()
     return found
 
 

@@ -69,6 +69,12 @@ def stale(job: str | None = None, older_than_s: float | None = None) -> list[Nod
             and (older_than_s is None or now - g.last_write >= older_than_s)]
 
 
+def stale_rows() -> list[dict]:
+    """stale() as `smp status` shows it (every job's), one dict a node."""
+    now = time.time()
+    return [g.as_dict(now) for g in stale()]
+
+
 def remove(job: str, node: int) -> tuple[int, int]:
     """Unlink every file of `job` on `node` (slots, parity, records) with no SMP involved: for a node that is
     lost, or whose SMP is gone. Refused while an SMP serves them. Returns (files, bytes) freed."""
