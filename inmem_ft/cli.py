@@ -15,6 +15,7 @@ from .cluster.options import ECOptions, add_ec_arguments, options_from_args, pee
 from .errors import ConfigError, InmemFTError, SMPUnavailable
 from .smp import control, inventory, paths
 from .smp.daemon import check_budget_fits
+from .smp.diskargs import DEFAULT_KEEP, add_disk_arguments, resolve as resolve_disk
 from .smp.metrics import add_metrics_arguments, metrics_argv
 from .smp.segments import namespace
 
@@ -89,8 +90,8 @@ def apply_config_block(args) -> str | None:
         args.memory_budget = block.memory_budget
     if args.persist_dir is None:
         args.persist_dir = block.persist_dir
-    if args.persist_every is None and block.persist:
-        args.persist_every = block.persist_every * block.interval  # the block counts snapshots, the SMP steps
+    if args.persist_every_steps is None and block.persist:
+        args.persist_every_steps = block.persist_every_steps
     if args.persist_keep is None:
         args.persist_keep = block.persist_keep
     if block.job and args.job == "default":
@@ -102,6 +103,7 @@ def apply_config_block(args) -> str | None:
 
 
 def cmd_smp_start(args) -> int:
+    resolve_disk(args)
     asked_by = apply_config_block(args) if args.config else None
     if args.memory_budget is None:
         raise ConfigError("give --memory-budget, or --config with a memory_budget in its inmem_ft block")
@@ -113,8 +115,9 @@ def cmd_smp_start(args) -> int:
               f"snapshot fails if they need more", file=sys.stderr)
     extra = ec.argv() if ec else peer_argv(args)
     if args.persist_dir:
-        extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every", str(args.persist_every or 0),
-                  "--persist-keep", str(args.persist_keep or 2)]
+        extra += ["--persist-dir", os.path.abspath(args.persist_dir), "--persist-every-steps",
+                  str(args.persist_every_steps or 0), "--persist-keep",
+                  str(DEFAULT_KEEP if args.persist_keep is None else args.persist_keep)]
     extra += metrics_argv(args)
     proc = control.start(args.job, args.node, args.memory_budget, _socket(args), args.log, extra_args=extra)
     print(f"inmem-ft: SMP for job {args.job} node {args.node} running as pid {proc.pid} on {_socket(args)}"
@@ -357,16 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a DeepSpeed config: memory_budget, parity, group_size and persist_* keys of its inmem_ft "
                             "block fill in what the command line leaves out (default: none)")
     start.add_argument("--log", default=None, metavar="PATH", help="log file (default: beside the socket)")
-    start.add_argument("--persist-dir", "--spill-dir", dest="persist_dir", metavar="DIR",
-                       default=os.environ.get("INMEM_FT_PERSIST_DIR") or os.environ.get("INMEM_FT_SPILL_DIR"),
-                       help="the disk tier: the SMP flushes its node's slots to DIR/<job>/node<N> (every "
-                            "--persist-every steps, and the newest complete step on SIGTERM), and a new SMP with "
-                            "empty memory starts from them (default: $INMEM_FT_PERSIST_DIR, else $INMEM_FT_SPILL_DIR)")
-    start.add_argument("--persist-every", type=int, default=None, metavar="STEPS",
-                       help="flush each complete step that is a multiple of STEPS (default: the config's "
-                            "persist_every x interval, else 0: only on SIGTERM)")
-    start.add_argument("--persist-keep", type=int, default=None, metavar="K",
-                       help="flushed steps kept per node (default: the config's persist_keep, else 2)")
+    add_disk_arguments(start, from_env=True, config_default="--config")
     add_ec_arguments(start)
     add_metrics_arguments(start)
     start.set_defaults(fn=cmd_smp_start)
@@ -428,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="erasure-code the snapshots across nodes, surviving M lost nodes per group "
                              "(default: off)")
     launch.add_argument("--group-size", type=int, default=None, metavar="G",
-                        help="nodes per EC group (default: largest divisor of --nodes <= 8)")
+                        help="nodes per EC group, G = k + m (k data, m = --parity) (default: largest divisor "
+                             "of --nodes <= 8)")
     launch.add_argument("--kill-rank", action="append", default=[], metavar="STEP:RANK",
                         help="kill -9 RANK once it reaches STEP (repeatable; default: none)")
     launch.add_argument("--kill-node", action="append", default=[], metavar="STEP:NODE",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from .deprecation import deprecated
 from .errors import ConfigError
 from .smp import paths
 from .units import parse_size
@@ -104,7 +105,10 @@ def _is_int(v) -> bool:
 @dataclass(frozen=True)
 class InmemFTBlock:
     """The `"inmem_ft": {...}` block of a framework config (DeepSpeed JSON), shared by the trainer-side
-    adapter and, for its SMP-side keys (memory_budget, group_size, parity, persist_*), by `inmem-ft smp start`."""
+    adapter and, for its SMP-side keys (memory_budget, group_size, parity, persist_*), by `inmem-ft smp start`.
+
+    Erasure coding is RS(k, m) over groups of G = k + m nodes: `group_size` is G, `parity` is m, as for
+    `inmem-ft smp start --group-size/--parity` and `inmem-ft survival -G/-m`."""
 
     enabled: bool = True
     interval: int = 100
@@ -116,14 +120,15 @@ class InmemFTBlock:
     memory_budget: int | str | None = None
     """SMP-side: bytes of shared memory the node's SMP may hold (e.g. "8GiB")."""
     group_size: int | None = None
-    """SMP-side: erasure-code group size k (data members per stripe)."""
+    """SMP-side: erasure-code group size G = k + m, the nodes per group (k data, m parity per stripe)."""
     parity: int = 0
     """SMP-side: erasure-code parity m (node losses per group survived)."""
     persist_dir: str | None = None
     """SMP-side: the disk tier's directory; the SMP flushes its node's slots there (smp/disktier.py), on SIGTERM
     too, and starts from them when shared memory holds nothing. None = no disk tier."""
-    persist_every: int | None = None
-    """SMP-side: flush every K-th snapshot to persist_dir; 0/None = only on SIGTERM."""
+    persist_every_steps: int | None = None
+    """SMP-side: flush each complete step that is a multiple of this many training steps to persist_dir (a
+    multiple of `interval`); 0/None = only on SIGTERM. Replaces `persist_every`, which counted snapshots."""
     persist_keep: int = 2
     """SMP-side: flushed steps each node keeps on disk."""
     on_error: str = "warn"
@@ -157,27 +162,33 @@ class InmemFTBlock:
                 object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
             except ValueError as e:
                 bad("memory_budget", str(e))
-        if self.group_size is not None and (not _is_int(self.group_size) or self.group_size < 1):
-            bad("group_size", "must be an integer >= 1 (nodes per erasure-code group)")
         if not _is_int(self.parity) or self.parity < 0:
             bad("parity", "must be an integer >= 0")
+        if self.group_size is not None and (not _is_int(self.group_size) or self.group_size <= self.parity
+                                            or self.group_size < 2):
+            bad("group_size", f"must be an integer >= 2 and > parity ({self.parity}): the nodes per erasure-code "
+                              f"group, G = k + m")
         if self.parity and self.group_size is None:
-            bad("parity", "needs 'group_size' (the k of k+m erasure coding)")
-        if self.persist_every is not None and (not _is_int(self.persist_every) or self.persist_every < 0):
-            bad("persist_every", "must be an integer >= 0 (0 or null: flush only on SIGTERM)")
+            bad("parity", "needs 'group_size' (G = k + m, the nodes per erasure-code group)")
+        every = self.persist_every_steps
+        if every is not None and (not _is_int(every) or every < 0):
+            bad("persist_every_steps", "must be an integer >= 0 (training steps; 0 or null: flush only on SIGTERM)")
         if self.persist_dir is not None and (not isinstance(self.persist_dir, str) or not self.persist_dir):
             bad("persist_dir", "must be a directory path")
         if not _is_int(self.persist_keep) or self.persist_keep < 1:
             bad("persist_keep", "must be an integer >= 1 (flushed steps each node keeps)")
-        if self.persist_every and not self.persist_dir:
-            bad("persist_every", "needs 'persist_dir'")
+        if every and not self.persist_dir:
+            bad("persist_every_steps", "needs 'persist_dir'")
+        if every and _is_int(self.interval) and self.interval > 0 and every % self.interval:
+            bad("persist_every_steps", f"must be a multiple of 'interval' ({self.interval}): only snapshot steps "
+                                       f"can be flushed")
         if self.reshard not in RESHARD:
             bad("reshard", f"must be one of {RESHARD}")
         self.snapshot_config()  # interval, on_error, staging_budget, timeout_s: checked where they live
 
     @property
     def persist(self) -> bool:
-        return bool(self.persist_dir and self.persist_every)
+        return bool(self.persist_dir and self.persist_every_steps)
 
     def snapshot_config(self, **env_overrides) -> SnapshotConfig:
         """The trainer-side SnapshotConfig: this block's values over what the launch scripts export."""
@@ -188,6 +199,8 @@ class InmemFTBlock:
 
     @classmethod
     def from_dict(cls, values, where: str = "inmem_ft") -> "InmemFTBlock":
+        if isinstance(values, dict) and "persist_every" in values:
+            values = _old_persist_every(values, where)
         return _from_dict(cls, values, where)
 
     @classmethod
@@ -196,3 +209,18 @@ class InmemFTBlock:
         if key not in config:
             return None
         return cls.from_dict(config[key], where=key)
+
+
+def _old_persist_every(values: dict, where: str) -> dict:
+    """The block with the old `persist_every` (counted in snapshots) as `persist_every_steps`."""
+    values = dict(values)
+    old = values.pop("persist_every")
+    if "persist_every_steps" in values:
+        raise ConfigError(f"{where}: give 'persist_every_steps' only ('persist_every' is its old name)")
+    interval = values.get("interval", InmemFTBlock.interval)
+    if old is not None and (not _is_int(old) or old < 0 or not _is_int(interval)):
+        raise ConfigError(f"inmem_ft config: 'persist_every' = {old!r}: must be an integer >= 0 (snapshots)")
+    values["persist_every_steps"] = None if old is None else old * interval
+    deprecated(f"'persist_every' ({old} snapshots) in {where}", f"'persist_every_steps' "
+               f"({values['persist_every_steps']}, counted in training steps)")
+    return values

@@ -77,12 +77,14 @@ class _Clock:
 class Restorer:
     """The restore protocol of one Snapshotter (its SMP client, agreement group and slot mappings)."""
 
-    def __init__(self, snap, layout: Topology | None = None, other=None):
+    def __init__(self, snap, layout: Topology | None = None, other=None, summary: bool = True):
         """layout: this job's parallel layout; slots taken on another are not restored as they are (default:
         only the world size is compared). other(): opens, on this rank alone, the newest snapshots of another
         layout (an object with `step` and `close()`); tried before the ranks agree when this rank's newest slot
-        is of another layout, so that the one agreement also settles what a reshard opens (LayoutChanged.opened)."""
-        self.snap, self.layout, self._other = snap, layout, other
+        is of another layout, so that the one agreement also settles what a reshard opens (LayoutChanged.opened).
+        summary: this restore's line is the user's summary of it, logged at WARNING so that it shows with no
+        logging configured (an adapter that logs its own after the framework's load passes False: INFO)."""
+        self.snap, self.layout, self._other, self._summary = snap, layout, other, summary
         self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
     def restore(self, views: bool = False, defer_checks: bool = False):
@@ -149,7 +151,7 @@ class Restorer:
             return False
         for slot in pulled:
             log.info("restore rank=%d step=%d event=pulled from_node=%d source=%s", snap.rank, slot["step"],
-                     slot["from_node"], slot["source"].replace(" ", "_"))
+                     slot["from_node"], slot["source"])
         return bool(pulled)
 
     def _own_layout(self, candidates: list[_Candidate]) -> list[_Candidate]:
@@ -286,8 +288,9 @@ class Restorer:
                 later.start()
             else:
                 snap.after_load(later.start)
-        log.info("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
-                 candidate.source.replace(" ", "_"), info.seconds, nbytes,
+        log.log(logging.WARNING if self._summary else logging.INFO,
+                "restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
+                 candidate.source, info.seconds, nbytes,
                  " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))
         return state
 

@@ -409,7 +409,8 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None):
+    def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None,
+                summary: bool = True):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
@@ -421,9 +422,9 @@ class Snapshotter:
         before the next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With
         `defer_checks` too, the checksums of the large regions run in the background (capture.verdict) and the
         ranks take their verdict at the next fence(), which every rank must then reach before the state changes
-        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed."""
+        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed. `summary`: see Restorer."""
         self.wait()
-        return Restorer(self, layout, other).restore(views, defer_checks)
+        return Restorer(self, layout, other, summary).restore(views, defer_checks)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""

@@ -61,7 +61,8 @@ def add_ec_arguments(parser: argparse.ArgumentParser) -> None:
                         "shows that rebuilds of any node size stay in pieces (default: 4GiB, one peer message)")
     g.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes in the job (default: none)")
     g.add_argument("--group-size", type=int, default=None, metavar="G",
-                   help="nodes per EC group (consecutive node ids) (default: largest divisor of --nodes <= 8)")
+                   help="nodes per EC group, G = k + m (k data, m = --parity), consecutive node ids (default: "
+                        "largest divisor of --nodes <= 8)")
     p = parser.add_argument_group("SMP-to-SMP links: cross-node reads, and erasure coding when --parity is given")
     p.add_argument("--peers", default=None, metavar="NODE=HOST:PORT,...",
                    help="SMP-to-SMP address of every node (default: none: this node's snapshots only)")

@@ -218,7 +218,7 @@ class Rebuild:
                 slot = self._kept_slot(rank, size)
                 if slot is None:
                     done = 0  # this slot starts empty: nothing before can be skipped
-                    slot = self.smp.reserve_copy(rank, size, "peer reconstruction", 0)
+                    slot = self.smp.reserve_copy(rank, size, "peer_reconstruction", 0)
                 slots[rank] = (start, used, head, slot)
             with self.smp.lock:
                 ps = self.p.sets.pop(self.step, None)

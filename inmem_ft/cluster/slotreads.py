@@ -138,7 +138,7 @@ class SlotReads:
             entry = best[step]
             slot = self.smp.install(rank, seg.slot_size(entry["manifest_len"], entry["data_len"]),
                                     lambda buf, e=entry: self._copy_slot(e, buf),
-                                    "peer memory" if entry["source"] == "memory" else "peer reconstruction")
+                                    "peer_memory" if entry["source"] == "memory" else "peer_reconstruction")
             log.info("smp node=%d event=pulled rank=%d step=%d from_node=%d source=%s", self.node, rank, step,
                      entry["node"], entry["source"])
             out.append({"segment": slot.segment.name, "step": step, "source": slot.source,

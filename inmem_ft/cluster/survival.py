@@ -178,8 +178,9 @@ def format_report(inp, risks):
 
 def add_survival_arguments(parser):
     parser.add_argument("-N", "--nodes", type=int, required=True, help="nodes in the job (required)")
-    parser.add_argument("-G", "--group-size", type=int, required=True, help="nodes per EC group, must divide N (required)")
-    parser.add_argument("-m", "--parity", type=int, required=True, help="node losses each group tolerates (required)")
+    parser.add_argument("-G", "--group-size", type=int, required=True,
+                        help="nodes per EC group, G = k + m (k data, m parity); must divide N (required)")
+    parser.add_argument("-m", "--parity", type=int, required=True, help="parity m: node losses each group tolerates (required)")
     parser.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one node (required)")
     parser.add_argument("--interval-s", type=float, required=True, help="seconds between snapshots (required)")
     parser.add_argument(

@@ -140,7 +140,7 @@ def plot(timeline: Timeline, path: str, title: str) -> None:
     restores = [e for e in timeline.events if e.kind == "restore" and e.step]
     for i, e in enumerate(restores):
         ax.axvline(e.step, color="#27a", linestyle=":")
-        source = e.text.split(" in ")[0]  # "step S from memory + peer reconstruction"
+        source = e.text.split(" in ")[0]  # "step S from memory + peer_reconstruction"
         ax.annotate(f"restore {source}", (e.step, 0.03 + 0.07 * i), xycoords=("data", "axes fraction"),
                     color="#27a", fontsize=8, ha="left", xytext=(4, 0), textcoords="offset points",
                     bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})

@@ -11,6 +11,7 @@ from ..errors import InmemFTError
 from ..telemetry import log_to_stderr
 from . import paths
 from .daemon import SMP, check_budget_fits
+from .diskargs import DEFAULT_KEEP, add_disk_arguments, resolve as resolve_disk
 from .disktier import DiskTier
 from .metrics import Exporter, add_metrics_arguments
 from .nodelock import NodeLock
@@ -25,18 +26,12 @@ def main(argv=None) -> int:
     p.add_argument("--socket", default=None, help="control socket path (default: <runtime dir>/<job>/node<node>.sock)")
     p.add_argument("--memory-budget", required=True, type=units.argparse_size,
                    help="shared memory for every local rank's two slots, e.g. 64GiB (required)")
-    p.add_argument("--persist-dir", "--spill-dir", dest="persist_dir", default=None, metavar="DIR",
-                   help="the disk tier: this SMP flushes its node's slots to DIR/<job>/node<N> (every "
-                        "--persist-every steps, and the newest complete step on SIGTERM) and starts from them when "
-                        "shared memory holds nothing (default: none)")
-    p.add_argument("--persist-every", type=int, default=0, metavar="STEPS",
-                   help="flush each complete step that is a multiple of STEPS (default 0: only on SIGTERM)")
-    p.add_argument("--persist-keep", type=int, default=2, metavar="K",
-                   help="flushed steps kept per node (default 2)")
+    add_disk_arguments(p, from_env=False)
     add_ec_arguments(p)
     add_metrics_arguments(p)
     args = p.parse_args(argv)
     log_to_stderr()
+    resolve_disk(args)
     smp = None
     try:
         ec = options_from_args(args)
@@ -46,7 +41,8 @@ def main(argv=None) -> int:
         smp.adopt_existing()
         smp.peers = make_peers(args, args.node, args.job)
         if args.persist_dir:
-            smp.disk = DiskTier(smp, args.persist_dir, args.persist_every, args.persist_keep)
+            smp.disk = DiskTier(smp, args.persist_dir, args.persist_every_steps or 0,
+                                DEFAULT_KEEP if args.persist_keep is None else args.persist_keep)
             smp.disk.adopt()
         if ec is not None:
             smp.protector = make_protector(smp, ec, smp.peers)

@@ -53,7 +53,7 @@ class RequestError(Exception):
 class Slot:
     def __init__(self, segment: Segment, generation: int, source: str = "memory"):
         self.segment, self.generation = segment, generation
-        self.source = source  # "memory", or "peer reconstruction" for a slot rebuilt from the EC group
+        self.source = source  # "memory", or "peer_reconstruction" for a slot rebuilt from the EC group
         # When its step was committed, for the age of the newest snapshot. A slot adopted at start takes its
         # segment file's mtime, which writes through the mapping need not move: the age is then an upper bound.
         self.committed_at = os.stat(path_of(segment.name)).st_mtime
@@ -165,7 +165,7 @@ class SMP:
                 segment = Segment(name)
                 if seg.is_blank(segment.buf) and rebuilding:
                     # A rebuild writes each slot's header last: it goes on with these (cluster/rebuild.py).
-                    slots[index] = Slot(segment, generation, "peer reconstruction")
+                    slots[index] = Slot(segment, generation, "peer_reconstruction")
                     log.info("smp node=%d event=keep segment=%s reason=blank, a rebuild under way fills it",
                              self.node, name)
                     continue

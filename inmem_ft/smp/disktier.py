@@ -70,7 +70,7 @@ class DiskTier:
     def __init__(self, smp, base: str, every: int = 0, keep: int = 2):
         """every: flush each complete step that is a multiple of it (0: only on SIGTERM); keep: steps kept."""
         if every < 0:
-            raise ValueError(f"--persist-every {every}: must be >= 0 (steps between flushes; 0: only on SIGTERM)")
+            raise ValueError(f"--persist-every-steps {every}: must be >= 0 (steps between flushes; 0: only on SIGTERM)")
         if keep < 1:
             raise ValueError(f"--persist-keep {keep}: must be >= 1 (flushed steps each node keeps)")
         self.smp, self.every, self.keep = smp, every, keep

@@ -1,5 +1,5 @@
 """install(engine): snapshots every `interval` steps into the node's SMP, restore on start from the newest
-tier the SMPs hold (memory, peer reconstruction, or the disk tier they flushed and adopted again), and an
+tier the SMPs hold (memory, peer_reconstruction, or the disk tier they flushed and adopted again), and an
 explicit `engine.save_checkpoint(dir)` that writes a stock DeepSpeed checkpoint. Translation only: the protocol
 (copy, commit, agreement, replication) lives in inmem_ft.capture, the disk tier in the SMP (smp/disktier.py)."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
+from ...deprecation import Tier
 from ...errors import ConfigError, LayoutChanged
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
@@ -27,7 +28,7 @@ from . import reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
-MEMORY_RESHARDED = "memory resharded"
+MEMORY_RESHARDED = "memory_resharded"
 # The fp32 master partitions of a ZeRO optimizer, and the key its checkpoint saves them under (ZeRO-1/2, ZeRO-3).
 FP32_PARTITIONS = (("single_partition_of_fp32_groups", SINGLE_PARTITION_OF_FP32_GROUPS),
                    ("fp32_partitioned_groups_flat", FP32_FLAT_GROUPS))
@@ -36,7 +37,7 @@ FP32_PARTITIONS = (("single_partition_of_fp32_groups", SINGLE_PARTITION_OF_FP32_
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "disk" (smp/disktier.py) | "memory resharded"
+    tier: str  # the restore line's source: memory | peer_memory | peer_reconstruction | disk | memory_resharded
     seconds: float
     extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
     # inmem_ft/universal/reshard.py for which old rank's)
@@ -188,7 +189,7 @@ class Handle:
         try:
             # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run
             # behind the load and the first forward/backward, and the wrapped step's fence takes their verdict
-            state = self.snap.restore(layout=self._layout(), views=True, defer_checks=True,
+            state = self.snap.restore(layout=self._layout(), views=True, defer_checks=True, summary=False,
                                       other=None if self.block.reshard == "never"
                                       else lambda: open_newest(config.socket_path, self._layout(), config.node))
         except LayoutChanged as e:
@@ -204,8 +205,9 @@ class Handle:
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
         layouts = f"from={restored.resharded['from']} to={restored.resharded['to']} " if restored.resharded else ""
-        log.info("restore rank=%d step=%d source=%s %sseconds=%.3f %s", self.rank, restored.step,
-                 restored.tier.replace(" ", "_"), layouts, restored.seconds,
+        # WARNING: the one line per rank that says where training resumed from, shown with no logging set up.
+        log.warning("restore rank=%d step=%d source=%s %sseconds=%.3f %s", self.rank, restored.step,
+                 restored.tier, layouts, restored.seconds,
                  " ".join([f"{k}_s={v:.3f}" for k, v in restored.phases.items()] +
                           [f"{k}={v}" for k, v in (restored.resharded or {}).items() if k.startswith("bytes")]))
         return restored
@@ -246,7 +248,7 @@ class Handle:
             del self.engine._get_all_ckpt_names
             self.ckpt.serve(None)
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
-        return Restored(state["step"], self.snap.last_restore.source, 0.0, extras, tag, phases)
+        return Restored(state["step"], Tier(self.snap.last_restore.source), 0.0, extras, tag, phases)
 
     def _adopt_partitions(self, files: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Point the engine's fp32 master partitions at the restored ones where they match. Those are views of a
@@ -309,7 +311,7 @@ class Handle:
         # the SMPs keep that step until a newer one is complete
         self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, time.perf_counter() - t0,
                                       sum(rs.bytes_read.values()), None, phases))
-        return Restored(rs.step, MEMORY_RESHARDED, 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
+        return Restored(rs.step, Tier(MEMORY_RESHARDED), 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

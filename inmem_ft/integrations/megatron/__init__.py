@@ -20,16 +20,17 @@ import os
 import time
 from dataclasses import dataclass
 
+from ...deprecation import Tier
 from .args import add_args, block_from_args
 
 log = logging.getLogger("inmem_ft.megatron")
-MEMORY_RESHARDED = "memory resharded"
+MEMORY_RESHARDED = "memory_resharded"
 
 
 @dataclass
 class Restored:
     step: int
-    tier: str  # "memory" | "peer reconstruction" | "memory resharded"
+    tier: str  # the restore line's source: memory | peer_memory | peer_reconstruction | memory_resharded
     seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
     phases: dict | None = None  # seconds per phase: to set up (snapshotter, layout: before `seconds` starts),
     # then from memory the restore's (RestoreInfo.phases) and megatron_load; resharded: to find the snapshots
@@ -110,9 +111,9 @@ class Handle:
             # The SMPs keep the old layout's step until this layout completes a newer one.
             self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None,
                                           dict(rs.seconds)))
-            self.restored = Restored(rs.step, MEMORY_RESHARDED, seconds, {**self._setup_s, **rs.seconds})
-            log.info("restore rank=%d step=%d source=%s from=%s to=%s seconds=%.3f %s", self.snap.rank, rs.step,
-                     MEMORY_RESHARDED.replace(" ", "_"), info["from"], info["to"], seconds,
+            self.restored = Restored(rs.step, Tier(MEMORY_RESHARDED), seconds, {**self._setup_s, **rs.seconds})
+            log.warning("restore rank=%d step=%d source=%s from=%s to=%s seconds=%.3f %s", self.snap.rank, rs.step,
+                     MEMORY_RESHARDED, info["from"], info["to"], seconds,
                      " ".join([f"{k}_s={v:.3f}" for k, v in rs.seconds.items()] +
                               [f"{k}={v}" for k, v in info.items() if k.startswith("bytes")]))
         elif served:
@@ -121,11 +122,12 @@ class Handle:
             # Everything after the snapshot was back: Megatron's load_checkpoint of it (our translation, its
             # to_state_dict, the model's and optimizer's load_state_dict) and the step fix above.
             phases = {**self._setup_s, **info.phases, "megatron_load": round(seconds - info.seconds, 4)}
-            self.restored = Restored(info.step, info.source, seconds, phases)
-            log.info("restore rank=%d step=%d source=%s seconds=%.3f %s", self.snap.rank, info.step,
-                     info.source.replace(" ", "_"), seconds, " ".join(f"{k}_s={v:.3f}" for k, v in phases.items()))
+            self.restored = Restored(info.step, Tier(info.source), seconds, phases)
+            log.warning("restore rank=%d step=%d source=%s seconds=%.3f %s", self.snap.rank, info.step,
+                     info.source, seconds, " ".join(f"{k}_s={v:.3f}" for k, v in phases.items()))
         elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
-            log.info("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank, iteration)
+            log.warning("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank,
+                        iteration)
         else:
             log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
 
@@ -170,6 +172,13 @@ def install(args) -> Handle | None:
     # --save falls on the same one. They need args.save set, and loading needs args.load set; a run without
     # --save/--load gets a scratch directory (pretrain's cfg keeps save=None, so no persistent save at the
     # end). The cfg's non_persistent_ckpt_type stays None: pretrain() would build nvrx's manager.
+    # A different interval of the user's is refused, not overwritten: the interval sets how much work a
+    # failure loses, so a job must not silently run at one nobody chose.
+    if getattr(args, "non_persistent_save_interval", None) not in (None, block.interval):
+        raise ConfigError(f"--inmem-ft snapshots every {block.interval} iterations through Megatron's "
+                          f"non-persistent save, but --non-persistent-save-interval is "
+                          f"{args.non_persistent_save_interval}: drop it, or give --inmem-ft-interval "
+                          f"{args.non_persistent_save_interval}")
     args.non_persistent_ckpt_type = "local"
     args.non_persistent_save_interval = block.interval
     args.non_persistent_local_ckpt_dir = scratch

@@ -182,7 +182,8 @@ class InmemCheckpointManager:
             self.restore_t0 = time.perf_counter()
             try:
                 # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad.
-                self._restored = self.snap.restore(layout=self._topology(0), views=True, other=self._other)
+                self._restored = self.snap.restore(layout=self._topology(0), views=True, other=self._other,
+                                                    summary=False)
             except LayoutChanged as e:
                 if self._reshard is None:
                     raise
