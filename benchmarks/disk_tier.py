@@ -36,9 +36,9 @@ def one_run(mode: str, args, tmp: str) -> dict:
             "--loss-log", os.path.join(tmp, "loss.jsonl")]
     smp_args = []
     if mode == "before_on":  # the trainers flush, from their commit thread
-        argv += ["--persist-dir", disk, "--persist-every", "1"]
+        argv += ["--persist-dir", disk, "--persist-every-steps", "1"]
     elif mode == "after_on":  # the SMP flushes, from its writer thread
-        smp_args = ["--persist-dir", disk, "--persist-every", str(args.interval)]
+        smp_args = ["--persist-dir", disk, "--persist-every-steps", str(args.interval)]
     env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": tree}
     job = f"disk{mode.replace('_', '')}{os.getpid()}"
     here = os.getcwd()

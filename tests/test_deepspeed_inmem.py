@@ -125,14 +125,14 @@ def test_a_byte_flipped_in_the_restored_step_stops_every_rank_before_its_step_an
 
 
 def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical(job, runtime, tmp_path_factory):
-    """The SMPs flush every 4th step (persist_every 2 x interval 2), keeping 2; the trainers write nothing. A rank
+    """The SMPs flush every 4th step (persist_every_steps 4, twice the interval), keeping 2; the trainers write nothing. A rank
     is killed right after step 8 completed (its flush is the SMPs' business); then every node's memory is wiped:
     the resume comes from disk at step 8, bit-identical. An explicit save_checkpoint(dir) at the end writes a
     stock checkpoint that plain DeepSpeed loads to exactly the state inmem_ft restores."""
     stage, dtype = 2, "fp32"
     ref = reference(stage, dtype, tmp_path_factory)
     disk = runtime / "disk"
-    smp_args = ["--persist-dir", disk, "--persist-every", 2 * INTERVAL, "--persist-keep", 2]
+    smp_args = ["--persist-dir", disk, "--persist-every-steps", 2 * INTERVAL, "--persist-keep", 2]
     with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV, smp_args=smp_args) as cluster:
         before = runtime / "before.jsonl"
         attempt = cluster.run(example(stage, dtype, STEPS, "--loss-log", before, "--die-at", 9, "--die-rank", 1))
@@ -178,7 +178,7 @@ def test_bad_config_is_a_clear_error():
 
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['intervall'\]; known keys are"):
         InmemFTBlock.from_framework_config({"inmem_ft": {"intervall": 5}})
-    for block, key in [({"interval": 0}, "interval"), ({"persist_every": 3}, "persist_every"),
+    for block, key in [({"interval": 0}, "interval"), ({"persist_every_steps": 3}, "persist_every_steps"),
                        ({"persist_dir": "/x", "persist_keep": 0}, "persist_keep"),
                        ({"memory_budget": "lots"}, "memory_budget"), ({"parity": 2}, "parity"),
                        ({"group_size": 0}, "group_size"), ({"on_error": "ignore"}, "on_error"),
@@ -186,7 +186,7 @@ def test_bad_config_is_a_clear_error():
         with pytest.raises(ConfigError, match=f"'{key}'"):
             InmemFTBlock.from_framework_config({"inmem_ft": block})
     assert InmemFTBlock.from_framework_config({"zero_optimization": {}}) is None
-    cfg = InmemFTBlock.from_dict({"interval": 7, "persist_dir": "/x", "persist_every": 2})
+    cfg = InmemFTBlock.from_dict({"interval": 7, "persist_dir": "/x", "persist_every_steps": 14})
     assert cfg.persist and cfg.snapshot_config().interval == 7
 
 

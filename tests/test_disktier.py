@@ -38,7 +38,7 @@ def steps(client, rank):
 
 
 def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, runtime, smp_with_disk):
-    base, sock, log = smp_with_disk("--persist-every", "2", "--persist-keep", "2")
+    base, sock, log = smp_with_disk("--persist-every-steps", "2", "--persist-keep", "2")
     node = base / job / "node0"
     client = SMPClient(sock)
     try:
@@ -63,7 +63,7 @@ def test_periodic_flush_keeps_the_last_k_and_a_torn_flush_is_never_adopted(job, 
     (node / "r0.step8.slot").write_bytes(b"torn")
     (node / "r0.step8.slot.1234.inmem_ft.tmp").write_bytes(b"torn")
     control.stop(sock, wipe=True)  # and the node's memory is gone
-    smp_with_disk("--persist-every", "2", "--persist-keep", "2")
+    smp_with_disk("--persist-every-steps", "2", "--persist-keep", "2")
     client = SMPClient(sock)
     try:
         text = open(log).read()
@@ -81,7 +81,7 @@ def test_bad_disk_tier_settings_are_a_clear_error(smp_with_disk):
 
 
 def test_sigterm_mid_commit_flushes_the_newer_step_for_its_rank_only_and_the_resume_drops_it(job, runtime):
-    disk_args = ["--persist-dir", str(runtime / "disk")]  # no --persist-every: only SIGTERM flushes
+    disk_args = ["--persist-dir", str(runtime / "disk")]  # no --persist-every-steps: only SIGTERM flushes
     sock, log = paths.default_socket(job, 0), paths.default_log(job, 0)
     smp = control.start(job, 0, 64 << 20, extra_args=disk_args)
     try:

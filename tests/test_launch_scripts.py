@@ -146,7 +146,7 @@ def test_rank_killed_torchrun_restarts_all_and_resumes_bit_identical(nodes, clea
 def test_signalled_with_wipe_on_exit_spills_first_then_wipes(runtime, job):
     """Preempted with INMEM_FT_WIPE_ON_EXIT=1: shared memory is freed, and a later job still finds the spill."""
     spill, out = runtime / "spill", runtime / "launch.out"
-    env = script_env(runtime / "run", job, nnodes=1, NODE_RANK=0, INMEM_FT_SPILL_DIR=spill, INMEM_FT_WIPE_ON_EXIT=1)
+    env = script_env(runtime / "run", job, nnodes=1, NODE_RANK=0, INMEM_FT_PERSIST_DIR=spill, INMEM_FT_WIPE_ON_EXIT=1)
     sock = os.path.join(runtime / "run", job, "node0.sock")
     with open(out, "w") as f:
         proc = subprocess.Popen(["bash", SCRIPT, "-m", "inmem_ft.examples.plain_pytorch", "--steps", "100000",

@@ -91,7 +91,7 @@ def test_metrics_textfile_for_node_exporter(job, runtime):
     path = runtime / "textfile" / "inmem_ft.prom"
     path.parent.mkdir()
     started = cli("smp", "start", "--job", job, "--memory-budget", "64MiB", "--metrics-textfile", str(path),
-                  "--persist-dir", str(runtime / "disk"), "--persist-every", "2")
+                  "--persist-dir", str(runtime / "disk"), "--persist-every-steps", "2")
     assert started.returncode == 0, started.stderr
     try:
         assert value(samples(path.read_text()), "inmem_ft_commits_total", job=job) == 0  # written at start

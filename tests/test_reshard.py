@@ -228,7 +228,7 @@ def test_zero2_dp2_resumes_as_zero3_then_as_zero1_dp1_from_parity_after_losing_a
 @pytest.mark.slow
 def test_zero2_dp2_resumes_as_zero1_dp1_from_the_disk_tier_when_memory_is_gone(tmp_path):
     """The SMPs flushed step 4; memory is wiped; the new SMPs adopt it from disk and the job reshards from it."""
-    smp_args = ["--persist-dir", tmp_path / "ckpt", "--persist-every", STEP]
+    smp_args = ["--persist-dir", tmp_path / "ckpt", "--persist-every-steps", STEP]
     with source_job(tmp_path, 2, 1, 2, "fp32", None, smp_args=smp_args) as cluster:
         for node in range(cluster.nodes):
             wait_for_log(cluster.smp_log(node), f"event=flushed step={STEP} ")

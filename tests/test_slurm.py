@@ -190,7 +190,7 @@ def wipe_memory(job):
 @pytest.mark.slow
 def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_it(slurm, submit, runtime):
     spill = runtime / "spill"
-    j = submit(INMEM_FT_SPILL_DIR=spill)
+    j = submit(INMEM_FT_PERSIST_DIR=spill)
     first = j.submit(steps=LONG)
     wait_step(j.loss_log, 8)
     assert slurm.run("scancel", first).returncode == 0  # SIGTERM now, SIGKILL after the grace time
@@ -240,7 +240,7 @@ def test_preemption_spills_the_newest_complete_step_and_a_new_job_resumes_from_i
 @pytest.mark.slow
 @pytest.mark.parametrize("memory", ["kept", "wiped"])
 def test_requeue_restores_from_the_smps_that_outlived_the_allocation_or_from_disk(slurm, submit, runtime, memory):
-    j = submit(INMEM_FT_SPILL_DIR=runtime / "spill")
+    j = submit(INMEM_FT_PERSIST_DIR=runtime / "spill")
     job_id = j.submit(steps=LONG)
     wait_step(j.loss_log, 8)
     # Wiped: held while the first allocation's memory is lost, then let go.

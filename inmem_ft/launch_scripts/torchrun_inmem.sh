@@ -15,7 +15,7 @@
 #      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
 #      and the restarted ranks restore from the SMPs, which outlive the restarts;
 #   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
-#      with SIGTERM, so that it spills its newest complete step to INMEM_FT_SPILL_DIR first). A job that
+#      with SIGTERM, so that it writes its newest complete step to INMEM_FT_PERSIST_DIR first). A job that
 #      finished (torchrun exit code 0, no signal) has its snapshots released; after a failure or a stop from
 #      outside they stay in shared memory (/dev/shm/inmemft-<uid>/inmemft.<job>.*) so that a re-queued job
 #      under the same job id resumes from them (INMEM_FT_WIPE_ON_EXIT changes this). `inmem-ft smp status`
@@ -38,13 +38,14 @@
 #                           options "--parity 1 --nodes 4 --peers 0=node0:7100,1=node1:7100,..."
 #   INMEM_FT_WIPE_ON_EXIT   when to delete this node's snapshots from shared memory as the job ends:
 #                           finished (default: when torchrun exits 0 and no signal stopped the job), 1 (always;
-#                           when signalled, after the SMP has spilled to INMEM_FT_SPILL_DIR), 0 (never: keep even
+#                           when signalled, after the SMP wrote to INMEM_FT_PERSIST_DIR), 0 (never: keep even
 #                           a finished job's, e.g. to `inmem-ft export` it)
-#   INMEM_FT_SPILL_DIR      a directory (shared or node-local disk) where the SMP, when this launcher is
-#                           signalled (preemption, scancel, requeue, time limit), writes the newest step
+#   INMEM_FT_PERSIST_DIR    the disk tier: a directory (shared or node-local disk) where the SMP, when this
+#                           launcher is signalled (preemption, scancel, requeue, time limit), writes the newest step
 #                           complete on every rank before it exits; a later SMP of the same job and node
 #                           that finds nothing in shared memory starts from it (restore logs
-#                           source=disk). Size it for one snapshot per rank of the node.
+#                           source=disk). Size it for one snapshot per rank of the node. INMEM_FT_SPILL_DIR, its
+#                           old name, still works in this release (with a deprecation line).
 #   INMEM_FT_RUNTIME_DIR    where SMP sockets and logs go (default $XDG_RUNTIME_DIR/inmem_ft or
 #                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
 #   PYTHON, TORCHRUN        the interpreter and torchrun to use (default: `python`, `torchrun` on PATH)
@@ -188,7 +189,7 @@ stop_smp() {
     fi
     if [[ -n "$signalled" ]]; then
         # Stopped from outside (preemption, scancel, requeue, time limit): the SMP gets SIGTERM, on which it
-        # first writes its newest complete step to its spill directory (INMEM_FT_SPILL_DIR), if it has one;
+        # first writes its newest complete step to its disk tier (INMEM_FT_PERSIST_DIR), if it has one;
         # only then are its segments wiped (INMEM_FT_WIPE_ON_EXIT=1), so that a later job still resumes.
         pid="$("${smp[@]}" status "${node_args[@]}" 2>/dev/null | sed -n '1s/.* pid \([0-9]*\) .*/\1/p')"
         if [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null; then

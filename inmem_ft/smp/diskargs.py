@@ -26,9 +26,11 @@ def add_disk_arguments(parser: argparse.ArgumentParser, from_env: bool, config_d
     g.add_argument("--persist-keep", type=int, default=None, metavar="K",
                    help="flushed steps kept per node (default: " + ("the config's persist_keep, else " if config_default
                                                                      else "") + f"{DEFAULT_KEEP})")
-    # The old spellings, not in --help: resolve() says what replaced them.
-    g.add_argument("--spill-dir", dest="old_spill_dir", default=None, help=argparse.SUPPRESS)
-    g.add_argument("--persist-every", dest="old_persist_every", type=int, default=None, help=argparse.SUPPRESS)
+    # The old spellings: resolve() says what replaced them.
+    g.add_argument("--spill-dir", dest="old_spill_dir", default=None, metavar="DIR",
+                   help="deprecated: the old name of --persist-dir (default: none)")
+    g.add_argument("--persist-every", dest="old_persist_every", type=int, default=None, metavar="STEPS",
+                   help="deprecated: the old name of --persist-every-steps, the same count (default: none)")
     parser.set_defaults(disk_from_env=from_env)
 
 

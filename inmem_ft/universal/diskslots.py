@@ -39,7 +39,7 @@ def slot_files(directory: str) -> list[tuple[int, str]]:
     if not out:
         raise InmemFTError(f"--from {directory}: no flushed slots (r<rank>.step<step>.slot named by a step<S>.done "
                            f"marker) in it or below it; give the SMPs' disk tier directory (`persist_dir`, written "
-                           f"every `persist_every` steps and on SIGTERM) or one job's folder in it")
+                           f"every `persist_every_steps` steps and on SIGTERM) or one job's folder in it")
     return out
 
 
