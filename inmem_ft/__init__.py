@@ -8,7 +8,7 @@ from .errors import (BudgetExceeded, CatalogHole, ConfigError, ForeignSegment, I
 _EXPORTS = {"Snapshotter": ".capture", "capture_rng_state": ".capture", "restore_rng_state": ".capture",
             "SnapshotConfig": ".config", "ShardSpec": ".snapshot", "Topology": ".snapshot", "Replicated": ".snapshot",
             "Sharded": ".snapshot", "register_safe_class": ".snapshot", "report_loss": ".telemetry",
-            "log_to_stderr": ".telemetry", "status": ".smp.control"}
+            "log_to_stderr": ".telemetry", "status": ".smp.control", "flush": ".smp.control"}
 __getattr__ = exporter(__name__, _EXPORTS)
 __all__ = [*_EXPORTS, "__version__", "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded",
            "SnapshotCorrupt", "SnapshotLost", "LayoutMismatch", "UnknownFormat", "UnsafeType", "StepIncomplete",

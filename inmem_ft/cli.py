@@ -211,6 +211,14 @@ def cmd_smp_status(args) -> int:
     return 0
 
 
+def cmd_smp_flush(args) -> int:
+    found = control.flush(args.job, args.node, _socket(args), args.timeout)
+    nodes = ", ".join(f"node {n}: step {s}" for n, s in found["nodes"].items())
+    print(f"inmem-ft: step {found['step']}, the newest complete step of job {args.job}, is on disk on every node "
+          f"({nodes})")
+    return 0
+
+
 def cmd_smp_clean(args) -> int:
     if args.job is None and args.older_than is None and not args.all:
         raise ConfigError("say what to remove: --job J, --older-than 2h, or --all (every job's segments that no "
@@ -374,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     _node_args(status)
     status.add_argument("--json", action="store_true", help="print the status as JSON (default: a table)")
     status.set_defaults(fn=cmd_smp_status)
+    flush = smp.add_parser("flush", help="write the job's newest complete step to the disk tier on every node now "
+                                         "(before planned maintenance); returns once it is there, else says why "
+                                         "not with exit code 1")
+    _node_args(flush)
+    flush.add_argument("--timeout", type=units.argparse_duration, default=600.0, metavar="DURATION",
+                       help="give up after this long, e.g. 90s, 10m (default: 10m)")
+    flush.set_defaults(fn=cmd_smp_flush)
     clean = smp.add_parser("clean", help="remove segments that no running SMP serves (stopped or dead SMPs' "
                                          "snapshots), also with no SMP running")
     clean.add_argument("--job", type=job_id, default=None, help="only this job's (default: every job's)")

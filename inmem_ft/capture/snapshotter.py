@@ -372,6 +372,16 @@ class Snapshotter:
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
 
+    def flush(self, timeout_s: float = 600.0) -> dict:
+        """Put the job's newest complete step on disk on every node now (planned maintenance): waits for this
+        rank's last snapshot to commit, then has the SMPs write it and returns once it is on every node's disk:
+        {step, nodes: {node: step on its disk}}. Raises InmemFTError saying why not (no disk tier, a node that
+        cannot write or be reached, `timeout_s`). Not collective: one rank may call it, or all (each waits)."""
+        self.wait()
+        from ..smp import control
+
+        return control.flush(self.config.job, self.config.node, self.config.socket_path, timeout_s)
+
     def agree_min(self, value: int | list[int]) -> int | list[int]:
         """Collective over the whole job: the smallest `value` of all ranks (for restart decisions); of a list,
         the smallest of each element, in one round."""

@@ -13,6 +13,7 @@ from . import paths
 from .daemon import SMP, check_budget_fits
 from .diskargs import DEFAULT_KEEP, add_disk_arguments, resolve as resolve_disk
 from .disktier import DiskTier
+from .flushnow import FlushNow
 from .metrics import Exporter, add_metrics_arguments
 from .nodelock import NodeLock
 
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
             smp.protector = make_protector(smp, ec, smp.peers)
             smp.protector.adopt()
         smp.reads = SlotReads(smp, smp.peers, smp.protector)
+        smp.flushes = FlushNow(smp, smp.peers)
         if args.metrics_port or args.metrics_textfile:
             smp.metrics = Exporter(smp.status, args.metrics_port, args.metrics_addr, args.metrics_textfile)
     except (InmemFTError, OSError, ValueError) as e:

@@ -87,6 +87,18 @@ def status(job: str = "default", node: int = 0, socket_path: str | None = None) 
     return found
 
 
+def flush(job: str = "default", node: int = 0, socket_path: str | None = None, timeout_s: float = 600.0) -> dict:
+    """Put the job's newest complete step on disk on every node now, through the SMP of `job` on `node` (on this
+    machine), and return once it is there: {step, nodes: {node: newest step on its disk}}. Raises InmemFTError
+    saying why not (no disk tier, a node unreachable or failing to write, `timeout_s` passed), SMPUnavailable
+    when no SMP answers."""
+    client = SMPClient(socket_path or paths.default_socket(job, node), timeout_s=timeout_s + 60)
+    try:
+        return client.call("flush", timeout_s=timeout_s)
+    finally:
+        client.close()
+
+
 def stop(socket_path: str, wipe: bool = False, wait_s: float = 10.0) -> None:
     call(socket_path, "shutdown", wipe=wipe)
     deadline = time.monotonic() + wait_s

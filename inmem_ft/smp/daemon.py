@@ -87,6 +87,7 @@ class SMP:
         self.stopping = False
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
         self.disk = None  # disktier.DiskTier: periodic flush, SIGTERM flush, adoption at start
+        self.flushes = None  # flushnow.FlushNow: serves `flush` (every node's disk tier, now), which waits on peers
         self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
         self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
@@ -222,8 +223,9 @@ class SMP:
         op = msg.get("op")
         if not isinstance(op, str):
             raise RequestError("bad_request", f"field 'op' must be a string, got {type(op).__name__}")
-        if self.reads is not None and op in self.reads.OPS:
-            return self.reads.handle(op, msg)
+        for outside in (self.reads, self.flushes):
+            if outside is not None and op in outside.OPS:
+                return outside.handle(op, msg)
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise RequestError("bad_request", f"unknown operation {op!r}")

@@ -86,20 +86,39 @@ class DiskTier:
         self.flushed_step: int | None = max(flushed) if flushed else None
         self.flush_lag_s: float | None = None
         self.flush_failures = 0
+        self._failed: dict[int, str] = {}  # step -> why its flush failed, until a `flush` request hears it
+
 
     # ---- periodic flush -----------------------------------------------------------------------------------
     def complete(self, step: int) -> None:
         """Every rank of the job committed `step` (called under the SMP's lock, once per local rank)."""
         if not self.every or step % self.every or step <= self._queued:
             return
-        self._queued = step
+        self._queue(step)
+
+    def _queue(self, step: int) -> None:
+        self._queued = max(self._queued, step)
         try:
             views = self.smp.committed_views(step)
         except SnapshotCorrupt as e:
             log.error("smp node=%d event=flush_failed step=%d reason=%s", self.smp.node, step, e)
+            self._failed[step] = str(e)
             return
         self.pinned = self.pinned | {step}
         self._last = self._pool.submit(self._flush, step, views, time.time())
+
+    def request(self, step: int) -> dict:
+        """Flush `step` now unless it (or a newer step) is on disk or being written: an operator's `smp flush`,
+        asked of every node. Returns {flushed_step, pending, error}: error says why its flush failed (said
+        once: asking again tries again)."""
+        with self.smp.lock:
+            error = self._failed.pop(step, None)
+            done = self.flushed_step is not None and self.flushed_step >= step
+            if not done and error is None and step not in self.pinned:
+                log.info("smp node=%d event=flush_requested step=%d", self.smp.node, step)
+                self._queue(step)
+                error = self._failed.pop(step, None)
+            return {"flushed_step": self.flushed_step, "pending": step in self.pinned, "error": error}
 
     def _flush(self, step: int, views: dict, completed_at: float) -> None:
         t0 = time.perf_counter()
@@ -109,6 +128,7 @@ class DiskTier:
             self._flushed(step, completed_at)
         except Exception as e:  # a full or missing disk must not take the SMP (and the memory tier) down
             self.flush_failures += 1
+            self._failed[step] = f"{type(e).__name__}: {e}"
             log.error("smp node=%d event=flush_failed step=%d dir=%s reason=%s: %s", self.smp.node, step, self.dir,
                       type(e).__name__, e)
             return
