@@ -55,6 +55,7 @@ class Metrics:
     skipped: int = 0  # snapshots the SMP declined (erasure coding still protecting the previous one)
     planned: int = 0  # snapshots laid out afresh (the first, and any after the state's structure changed)
     stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
+    last_committed: dict | None = None  # {step, stall_s, commit_s, bytes} of the newest committed snapshot
 
     def add_stall(self, seconds: float) -> None:
         self.last_stall_s = seconds
@@ -367,7 +368,9 @@ class Snapshotter:
             if not isinstance(error, InmemFTError):  # so that on_error decides, as for our own errors
                 raise InmemFTError(f"snapshot of step {step} failed: {type(error).__name__}: {error}") from error
             raise error
-        self.metrics.snapshots += 1
+        self.metrics.last_committed = {"step": step, "stall_s": self.metrics.last_stall_s,
+                                       "commit_s": self.metrics.last_commit_s, "bytes": w.plan.data_len}
+        self.metrics.snapshots += 1  # after last_committed: capture.events reads both from the training thread
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)

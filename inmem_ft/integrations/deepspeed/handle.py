@@ -15,6 +15,7 @@ import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
+from ...capture.events import Unreported
 from ...capture.restore import RestoreInfo
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
@@ -70,6 +71,7 @@ class Handle:
         self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
+        self._unreported = Unreported(self.snap.metrics)
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
 
@@ -104,6 +106,7 @@ class Handle:
             self.snap.heartbeat(step=now)
             if now != before and self.snap.due(now):  # an optimizer step (gradient-accumulation boundary)
                 self.snapshot()
+            self._report()
             return out
 
         @functools.wraps(save)
@@ -181,6 +184,19 @@ class Handle:
     def wait(self) -> None:
         """Until the last snapshot is committed (the disk tier is the SMPs' business)."""
         self.snap.wait()
+
+    def flush(self, timeout_s: float = 600.0) -> dict:
+        """Put the job's newest complete step on disk on every node now and return once it is there (see
+        Snapshotter.flush); after snapshot() it is that snapshot. Raises InmemFTError saying why not."""
+        return self.snap.flush(timeout_s)
+
+    def _report(self) -> None:
+        """The newest committed snapshot's stall, commit time and bytes into DeepSpeed's monitor (TensorBoard,
+        W&B, CSV: what the config's monitor sections enable), which writes rank 0's."""
+        events = self._unreported.events()
+        monitor = getattr(self.engine, "monitor", None)
+        if events and monitor is not None and monitor.enabled:
+            monitor.write_events(events)
 
     # ---- restoring ----------------------------------------------------------------------------------------
     def _restore(self) -> Restored | None:

@@ -57,6 +57,7 @@ class Handle:
         from megatron.core.utils import unwrap_model
 
         from ...capture import Snapshotter
+        from ...capture.events import Unreported
         from ...capture.views import PrivateAfterLoad
         from . import patch
         from .layout import MegatronLayout
@@ -64,6 +65,7 @@ class Handle:
 
         t0 = time.perf_counter()
         self.snap = Snapshotter(self.block.snapshot_config())
+        self._unreported = Unreported(self.snap.metrics)
         t1 = time.perf_counter()
         self.layout = MegatronLayout(self.args, model, optimizer)
         self._setup_s = {"snapshotter": round(t1 - t0, 4), "layout": round(time.perf_counter() - t1, 4)}
@@ -102,7 +104,7 @@ class Handle:
         from . import patch
 
         patch.restore_adam_steps(optimizer)
-        patch.fence_before_step(optimizer, self.snap.fence)
+        patch.fence_before_step(optimizer, self._fence)
         resharded = self.manager.resharded
         served = self.manager.release()
         if served and resharded is not None:
@@ -134,10 +136,35 @@ class Handle:
     def _extra_specs(self, sh):
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
 
+    def _fence(self) -> None:
+        """Before each optimizer step: wait for the snapshot's copy, then tell Megatron's TensorBoard and W&B
+        writers (on the rank that has them) of the newest committed snapshot's stall, commit time and bytes."""
+        self.snap.fence()
+        events = self._unreported.events()
+        if events:
+            from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+            tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+            for name, value, step in events:
+                if tensorboard is not None:
+                    tensorboard.add_scalar(name, value, step)
+                if wandb is not None:
+                    wandb.log({name: value}, step)
+
     def wait(self) -> None:
         """Until the last snapshot is committed."""
         if self.snap is not None:
             self.snap.wait()
+
+    def flush(self, timeout_s: float = 600.0) -> dict:
+        """Put the job's newest complete step on disk on every node now and return once it is there (see
+        Snapshotter.flush; not collective, so a callback or another thread may call it). Raises InmemFTError
+        saying why not, also before Megatron's load made the Snapshotter."""
+        if self.snap is None:
+            from ...errors import InmemFTError
+
+            raise InmemFTError("flush: no snapshot yet (pretrain() has not loaded, so nothing was snapshotted)")
+        return self.snap.flush(timeout_s)
 
     def close(self) -> None:
         """After pretrain(): wait for the last commit, then let go of the SMP."""
