@@ -11,6 +11,7 @@ import os
 
 log = logging.getLogger("inmem_ft.deprecation")
 _said: set[str] = set()
+STILL_WORKS = "the old spelling still works in this release and stops working in the next"
 
 
 def deprecated(old: str, new: str, note: str = "") -> None:
@@ -18,8 +19,7 @@ def deprecated(old: str, new: str, note: str = "") -> None:
     if old in _said:
         return
     _said.add(old)
-    log.warning("deprecated: %s is now %s%s; %s still works in this release and stops working in the next",
-                old, new, f" ({note})" if note else "", old)
+    log.warning("deprecated: %s is now %s%s; %s", old, new, f" ({note})" if note else "", STILL_WORKS)
 
 
 def env(new: str, old: str) -> str | None:
