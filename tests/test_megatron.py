@@ -156,6 +156,15 @@ def test_bad_argument_fails_at_start_naming_it(runtime):
     assert "argument --inmem-ft-interval: '0': must be an integer number of iterations >= 1" in proc.stderr
 
 
+def test_a_different_non_persistent_save_interval_is_refused_not_overwritten(runtime):
+    # It would set how often the job snapshots; the adapter drives that interval and says which to drop.
+    proc = subprocess.run([sys.executable, *EXAMPLE, *INMEM, "--non-persistent-save-interval", "5"], cwd=runtime,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert (f"--inmem-ft snapshots every {INTERVAL} iterations through Megatron's non-persistent save, but "
+            f"--non-persistent-save-interval is 5: drop it, or give --inmem-ft-interval 5") in proc.stderr
+
+
 @pytest.mark.parametrize("argv,config,message", [
     (["--inmem-ft-job", "a/b"], None, "argument --inmem-ft-job:"),
     (["--inmem-ft-config", "missing.json"], None, "argument --inmem-ft-config: [Errno 2]"),

@@ -180,6 +180,7 @@ class Handle:
         """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
         engine.step() (which waits for it), the commit behind that."""
         self.engine.save_checkpoint(self.scratch, tag=stock.tag_of(int(self.engine.global_steps)))
+        self._report()  # the snapshot before it, committed by now
 
     def wait(self) -> None:
         """Until the last snapshot is committed (the disk tier is the SMPs' business)."""
@@ -188,7 +189,9 @@ class Handle:
     def flush(self, timeout_s: float = 600.0) -> dict:
         """Put the job's newest complete step on disk on every node now and return once it is there (see
         Snapshotter.flush); after snapshot() it is that snapshot. Raises InmemFTError saying why not."""
-        return self.snap.flush(timeout_s)
+        flushed = self.snap.flush(timeout_s)
+        self._report()
+        return flushed
 
     def _report(self) -> None:
         """The newest committed snapshot's stall, commit time and bytes into DeepSpeed's monitor (TensorBoard,
@@ -331,8 +334,12 @@ class Handle:
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for the last commit, then let go of the SMP."""
-        self.snap.close()
+        """Wait for the last commit (and report it), then let go of the SMP."""
+        try:
+            self.snap.wait()
+            self._report()
+        finally:
+            self.snap.close()
 
 
 def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None):

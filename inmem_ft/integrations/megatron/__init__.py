@@ -137,9 +137,13 @@ class Handle:
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
 
     def _fence(self) -> None:
-        """Before each optimizer step: wait for the snapshot's copy, then tell Megatron's TensorBoard and W&B
-        writers (on the rank that has them) of the newest committed snapshot's stall, commit time and bytes."""
+        """Before each optimizer step: wait for the snapshot's copy, then report (_report)."""
         self.snap.fence()
+        self._report()
+
+    def _report(self) -> None:
+        """The newest committed snapshot's stall, commit time and bytes into Megatron's TensorBoard and W&B
+        writers (on the rank that has them)."""
         events = self._unreported.events()
         if events:
             from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
@@ -164,7 +168,9 @@ class Handle:
             from ...errors import InmemFTError
 
             raise InmemFTError("flush: no snapshot yet (pretrain() has not loaded, so nothing was snapshotted)")
-        return self.snap.flush(timeout_s)
+        flushed = self.snap.flush(timeout_s)
+        self._report()
+        return flushed
 
     def close(self) -> None:
         """After pretrain(): wait for the last commit, then let go of the SMP."""
