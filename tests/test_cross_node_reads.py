@@ -184,7 +184,7 @@ def test_pull_installs_a_moved_rank_and_the_old_node_releases_it(job, runtime):
         assert client.call("list", rank=3)["slots"] == []
         flip_byte(cluster, 1, 3)
         [pulled] = client.pull(3)
-        assert pulled["step"] == STEP and pulled["from_node"] == 1 and pulled["source"] == "peer memory"
+        assert pulled["step"] == STEP and pulled["from_node"] == 1 and pulled["source"] == "peer_memory"
         assert client.call("list", rank=3)["slots"][0]["segment"] == pulled["segment"]
         original = node_slot(cluster, 1, 3)
         assert node_slot(cluster, 0, 3) == original
@@ -226,7 +226,7 @@ def test_lost_node_is_read_and_pulled_through_parity(job, runtime):
         client = SMPClient(cluster.socket_path(0))
         check_catalog(client, {0: "memory", 1: "memory", 2: "parity", 3: "memory"})
         [pulled] = client.pull(2)
-        assert pulled["source"] == "peer reconstruction" and pulled["from_node"] == 2
+        assert pulled["source"] == "peer_reconstruction" and pulled["from_node"] == 2
         assert node_slot(cluster, 0, 2) == original
         client.close()
     finally:

@@ -32,7 +32,7 @@ def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime,
     # it is a snapshot step, from memory (the lost node's from peer parity), and the exact losses do not.
     steps = [e["step"] for e in restores]
     assert len(steps) == 3 and steps == sorted(steps) and all(s % 5 == 0 for s in steps)
-    assert all("memory" in e["text"] for e in restores) and "peer reconstruction" in restores[1]["text"]
+    assert all("memory" in e["text"] for e in restores) and "peer_reconstruction" in restores[1]["text"]
     assert timeline["matches_reference"] is True
     assert "equals the uninterrupted run's" in out.stdout and (work / "plot.png").stat().st_size > 0
     fired = [e["text"] for e in timeline["events"] if e["kind"] == "failure"]
@@ -135,7 +135,7 @@ def test_make_demo_twice_in_the_same_folder_reports_each_run_truthfully(runtime)
         assert kinds.count("start") == 3 and kinds.count("detected") == 2 and kinds.count("failure") == 2
         assert "no heartbeat" not in out.stdout and timeline["missed"] == []
         restores = [e["text"] for e in timeline["events"] if e["kind"] == "restore" and e["step"]]
-        assert len(restores) == 2 and "from memory in" in restores[0] and "peer reconstruction" in restores[1]
+        assert len(restores) == 2 and "from memory in" in restores[0] and "peer_reconstruction" in restores[1]
         assert "equals the uninterrupted run's" in out.stdout and (runtime / "out" / "demo.png").stat().st_size
         assert [s["failure"] for s in timeline["time_lost"]] == [
             e["text"] for e in timeline["events"] if e["kind"] == "failure"]
@@ -204,7 +204,7 @@ def test_a_step_resumed_from_that_no_complete_named_is_protected_before_the_next
     detected = [e["text"] for e in at["detected"]]
     assert detected[0].startswith("rank 3 exited with -9;") and "exited with -9" in detected[1], out.stdout
     assert [e["step"] for e in at["restore"]] == [None, 10, 10], out.stdout
-    assert "memory" in at["restore"][1]["text"] and "peer reconstruction" in at["restore"][2]["text"]
+    assert "memory" in at["restore"][1]["text"] and "peer_reconstruction" in at["restore"][2]["text"]
     assert [e["text"] for e in at["rebuild"]][0].startswith("node 1 rebuilding from its EC group: step=10 ")
     assert "ec failed" not in at
     # Step 5 protected on its `complete`; step 10 once the job resumed from it, before node 1 was lost.

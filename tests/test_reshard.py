@@ -160,13 +160,12 @@ def run(cluster, name, stage, *extra, ok=True) -> dict:
             "log": log}
 
 
-def reshard(cluster, nodes, per_node, stage, old, new, tier="memory resharded", *extra) -> dict:
+def reshard(cluster, nodes, per_node, stage, old, new, tier="memory_resharded", *extra) -> dict:
     """Back on nodes x per_node ranks at ZeRO `stage`: resumed exactly as the source job went on."""
     cluster.reshape(nodes, per_node)
     got = run(cluster, f"z{stage}n{nodes}x{per_node}", stage, *extra)
     source = cluster.source
-    where = tier.replace(" ", "_")
-    assert f"restore rank=0 step={STEP} source={where} from={old} to={new} seconds=" in got["log"]
+    assert f"restore rank=0 step={STEP} source={tier} from={old} to={new} seconds=" in got["log"]
     truth, full = source["full"], got["full"]
     assert sorted(full) == sorted(truth)
     assert [k for k in truth if not torch.equal(full[k], truth[k])] == []  # bit-identical, weights included
