@@ -330,7 +330,8 @@ class Handle:
         # the SMPs keep that step until a newer one is complete
         self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, time.perf_counter() - t0,
                                       sum(rs.bytes_read.values()), None, phases))
-        return Restored(rs.step, Tier(MEMORY_RESHARDED), 0.0, got["extras"], stock.tag_of(rs.step), phases, rs.describe())
+        return Restored(rs.step, Tier(MEMORY_RESHARDED), 0.0, got["extras"], stock.tag_of(rs.step), phases,
+                        rs.describe())
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:
