@@ -8,6 +8,7 @@ uninterrupted reference runs beside the first attempt. The 4-rank, PP and distri
 """
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -154,6 +155,16 @@ def test_bad_argument_fails_at_start_naming_it(runtime):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "argument --inmem-ft-interval: '0': must be an integer number of iterations >= 1" in proc.stderr
+
+
+def test_handle_snapshot_takes_one_snapshot_at_the_end_of_that_iteration(runtime, job):
+    # --inmem-ft-interval 100 never falls due in 8 iterations: the one snapshot is the one asked for in
+    # iteration 4 (example flag --snapshot-at), and the interval is 100 again after it.
+    with SimulatedCluster(1, 2, job, BUDGET, str(runtime / "logs")) as cluster:
+        done = cluster.run(EXAMPLE + ["--inmem-ft", "--inmem-ft-interval", "100", "--snapshot-at", "4"])
+        assert done.ok, cluster.rank_log(done.number, done.first_failure or 0)
+        log = cluster.rank_log(done.number, 0)
+    assert re.findall(r"snapshot rank=0 step=(\d+) event=committed", log) == ["4"]
 
 
 def test_a_different_non_persistent_save_interval_is_refused_not_overwritten(runtime):

@@ -9,7 +9,8 @@ distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provid
         --tensor-model-parallel-size 2 --train-iters 12 --inmem-ft --inmem-ft-interval 3
 
 Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
-(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank, and
+(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank,
+--snapshot-at N (handle.snapshot() in iteration N, whatever the interval), and
 --dump-state PATH --dump-at N (what the resharding tests compare: at iteration N, right after a load of it or
 right after training it, every rank writes PATH.rank<r>.pt: its parameter and optimizer pieces in model
 space, with their boxes, and the counters).
@@ -38,13 +39,14 @@ DEFAULTS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 CPU_DEFAULTS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
                 "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
-EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--dump-state": str, "--dump-at": int}
+EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--dump-state": str, "--dump-at": int,
+                 "--snapshot-at": int}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict]:
     """The example's own flags out of the command line; Megatron's parser gets the rest (after the defaults)."""
     own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0,
-                    "dump_state": None, "dump_at": None}, [], 0
+                    "dump_state": None, "dump_at": None, "snapshot_at": None}, [], 0
     while i < len(argv):
         if argv[i] in EXAMPLE_FLAGS:
             own[argv[i][2:].replace("-", "_")] = EXAMPLE_FLAGS[argv[i]](argv[i + 1])
@@ -132,6 +134,8 @@ def log_metrics(own: dict, handle) -> None:
             inmem_ft.report_loss(iteration, loss.item(), own["loss_log"], grad_norm=grad_norm, lr=learning_rate)
         if handle is not None:
             handle.snap.heartbeat(step=iteration)
+            if iteration == own["snapshot_at"]:
+                handle.snapshot()  # every rank, this iteration: a snapshot at its end
         if iteration == own["die_at"] and torch.distributed.get_rank() == own["die_rank"]:
             if handle is not None:
                 handle.wait()  # which snapshot survives is then fixed

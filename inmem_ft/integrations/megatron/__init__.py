@@ -46,6 +46,7 @@ class Handle:
         self.snap = self.manager = self.layout = None
         self.restored: Restored | None = None
         self._setup_s: dict = {}  # seconds of the load's setup phases, for the restore's log line
+        self._asked: int | None = None  # saves made when snapshot() was asked (None: not asked)
 
     def _before_load(self, checkpointing_context: dict, model, optimizer):
         """Our manager in Megatron's context, and what Megatron's load then runs in: the restored state views
@@ -136,9 +137,24 @@ class Handle:
     def _extra_specs(self, sh):
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
 
+    def snapshot(self) -> None:
+        """Snapshot at the end of this iteration, whatever the interval (collective: every rank asks in the same
+        iteration, e.g. from a training_log or forward_step hook). Megatron decides at each iteration's end
+        whether its non-persistent save is due: that save, ours, is made due once, and the interval is
+        --inmem-ft-interval again from the next iteration on."""
+        if self.snap is None:
+            from ...errors import InmemFTError
+
+            raise InmemFTError("snapshot: pretrain() has not loaded yet; ask from inside the training loop")
+        self._asked = self.snap.metrics.stall_count
+        self.args.non_persistent_save_interval = 1
+
     def _fence(self) -> None:
-        """Before each optimizer step: wait for the snapshot's copy, then report (_report)."""
+        """Before each optimizer step: wait for the snapshot's copy, then report (_report); after a snapshot
+        asked for, the interval is the configured one again."""
         self.snap.fence()
+        if self._asked is not None and self.snap.metrics.stall_count > self._asked:
+            self.args.non_persistent_save_interval, self._asked = self.block.interval, None
         self._report()
 
     def _report(self) -> None:
