@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a DeepSpeed config: memory_budget, parity, group_size and persist_* keys of its inmem_ft "
                             "block fill in what the command line leaves out (default: none)")
     start.add_argument("--log", default=None, metavar="PATH", help="log file (default: beside the socket)")
-    add_disk_arguments(start, from_env=True, config_default="--config")
+    add_disk_arguments(start, from_env=True, from_config=True)
     add_ec_arguments(start)
     add_metrics_arguments(start)
     start.set_defaults(fn=cmd_smp_start)

@@ -10,21 +10,21 @@ PERSIST_DIR_ENV, OLD_PERSIST_DIR_ENV = "INMEM_FT_PERSIST_DIR", "INMEM_FT_SPILL_D
 DEFAULT_KEEP = 2
 
 
-def add_disk_arguments(parser: argparse.ArgumentParser, from_env: bool, config_default: str = "") -> None:
-    """`from_env`: --persist-dir defaults to $INMEM_FT_PERSIST_DIR; `config_default`: where else a value comes
-    from (for the help text)."""
+def add_disk_arguments(parser: argparse.ArgumentParser, from_env: bool, from_config: bool = False) -> None:
+    """`from_env`: --persist-dir defaults to $INMEM_FT_PERSIST_DIR; `from_config`: `--config`'s block fills in
+    what the command line leaves out (said in the help)."""
     g = parser.add_argument_group("disk tier (off unless --persist-dir is given)")
     env = f"${PERSIST_DIR_ENV}" if from_env else ""
     g.add_argument("--persist-dir", default=None, metavar="DIR",
                    help="the disk tier: the SMP flushes its node's slots to DIR/<job>/node<N> (every "
                         "--persist-every-steps steps, and the newest complete step on SIGTERM), and a new SMP with "
                         "empty memory starts from them (default: " + ", else ".join(
-                            x for x in (env, config_default and f"the config's persist_dir", "none") if x) + ")")
+                            x for x in (env, from_config and "the config's persist_dir", "none") if x) + ")")
     g.add_argument("--persist-every-steps", type=int, default=None, metavar="STEPS",
                    help="flush each complete step that is a multiple of STEPS training steps (default: " +
-                        (f"the config's persist_every_steps, else " if config_default else "") + "0: only on SIGTERM)")
+                        ("the config's persist_every_steps, else " if from_config else "") + "0: only on SIGTERM)")
     g.add_argument("--persist-keep", type=int, default=None, metavar="K",
-                   help="flushed steps kept per node (default: " + ("the config's persist_keep, else " if config_default
+                   help="flushed steps kept per node (default: " + ("the config's persist_keep, else " if from_config
                                                                      else "") + f"{DEFAULT_KEEP})")
     # The old spellings: resolve() says what replaced them.
     g.add_argument("--spill-dir", dest="old_spill_dir", default=None, metavar="DIR",
