@@ -107,3 +107,17 @@ def test_a_trainer_flushes_its_newest_snapshot_from_python(job, runtime):
         assert status(job)["disk"]["flushed_step"] == 3
     finally:
         control.stop(paths.default_socket(job, 0), wipe=True)
+
+
+def test_a_flush_that_fails_on_a_node_says_why(job, runtime):
+    (runtime / "file").write_text("not a directory")
+    control.start(job, 0, 64 << 20, extra_args=["--persist-dir", str(runtime / "file" / "disk")])
+    try:
+        complete(job, 1, 2)
+        out = cli("smp", "flush", "--job", job)
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out
+        assert out.stderr.startswith("inmem-ft: error: step 2 is not on disk on node 0: its flush failed: "
+                                     "NotADirectoryError: "), out.stderr
+        assert status(job)["disk"]["flush_failures"] == 1
+    finally:
+        control.stop(paths.default_socket(job, 0), wipe=True)

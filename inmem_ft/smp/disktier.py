@@ -102,10 +102,15 @@ class DiskTier:
             views = self.smp.committed_views(step)
         except SnapshotCorrupt as e:
             log.error("smp node=%d event=flush_failed step=%d reason=%s", self.smp.node, step, e)
-            self._failed[step] = str(e)
+            self._fail(step, str(e))
             return
         self.pinned = self.pinned | {step}
         self._last = self._pool.submit(self._flush, step, views, time.time())
+
+    def _fail(self, step: int, why: str) -> None:
+        # Only the newest failures matter to a request (it asks for the newest complete step): a disk that
+        # stays full for weeks must not grow this without bound.
+        self._failed = {s: w for s, w in self._failed.items() if s > step} | {step: why}
 
     def request(self, step: int) -> dict:
         """Flush `step` now unless it (or a newer step) is on disk or being written: an operator's `smp flush`,
@@ -128,7 +133,7 @@ class DiskTier:
             self._flushed(step, completed_at)
         except Exception as e:  # a full or missing disk must not take the SMP (and the memory tier) down
             self.flush_failures += 1
-            self._failed[step] = f"{type(e).__name__}: {e}"
+            self._fail(step, f"{type(e).__name__}: {e}")
             log.error("smp node=%d event=flush_failed step=%d dir=%s reason=%s: %s", self.smp.node, step, self.dir,
                       type(e).__name__, e)
             return
