@@ -64,15 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--shm", type=size, metavar="SIZE", help="/dev/shm per node (default: not checked)")
     c.add_argument("--storage-gbps", type=num, help="shared storage bandwidth, GB/s, all nodes together "
                                                      "(default: 2000, Llama 3's 2 TB/s)")
-    c.add_argument("--network-gbps", type=num, help="network bandwidth per node, GB/s (default: 400, 8 x 400 Gb/s)")
     j = p.add_argument_group("job (a model, or --bytes-per-rank)")
     j.add_argument("--params", type=num, help="model parameters, e.g. 405e9")
     j.add_argument("--tp", type=pos, default=None, help="tensor-parallel size (default: 1)")
     j.add_argument("--pp", type=pos, default=None, help="pipeline-parallel size (default: 1)")
     j.add_argument("--dp", type=pos, default=None, help="data-parallel size (default: GPUs / (TP x PP))")
-    j.add_argument("--dp-split", action="store_true", default=None,
-                   help="each data-parallel replica snapshots 1/DP of the weights (the Snapshotter's dp_group) "
-                        "(default: every replica its own copy)")
+    j.add_argument("--weights-per-replica", action="store_true",
+                   help="every data-parallel replica snapshots its own copy of the weights (a Snapshotter without "
+                        "dp_group) (default: stored once across data-parallel ranks, as the Megatron adapter does)")
     j.add_argument("--bytes-per-rank", type=size, metavar="SIZE",
                    help="snapshot bytes per rank, instead of --params (e.g. from `inmem-ft smp status`)")
     j.add_argument("--checkpoint-bytes", type=size, metavar="SIZE",
@@ -118,7 +117,7 @@ def resolve(args) -> tuple[Cluster, Job, FailureModel, Costs]:
     gpus = args.gpus_per_node or (inputs.LLAMA3_GPUS_PER_NODE if preset else None)
     if nodes is None or gpus is None:
         raise ConfigError("give --nodes and --gpus-per-node (or --preset llama3-405b)")
-    cluster = Cluster(nodes, gpus, args.host_memory, args.shm, args.storage_gbps or 2000.0, args.network_gbps or 400.0)
+    cluster = Cluster(nodes, gpus, args.host_memory, args.shm, args.storage_gbps or 2000.0)
     job = _job(args, preset, nodes * gpus)
     failures = _failures(args, preset)
     costs = inputs.costs_from_results(args.costs) if args.costs else Costs()
@@ -127,26 +126,25 @@ def resolve(args) -> tuple[Cluster, Job, FailureModel, Costs]:
 
 
 def _job(args, preset: bool, world: int) -> Job:
-    model = dict(inputs.LLAMA3_405B) if preset and args.bytes_per_rank is None else {}
-    for key in ("params", "tp", "pp", "dp"):
-        if getattr(args, key) is not None:
-            model[key] = getattr(args, key)
+    if args.bytes_per_rank is not None and args.params is not None:
+        raise ConfigError("give either --params (with --tp/--pp/--dp) or --bytes-per-rank, not both")
+    model = dict(inputs.LLAMA3_405B) if preset else {}
     step_s = args.step_time_s or model.pop("step_s", None)
-    model.pop("step_s", None)
     if step_s is None:
         raise ConfigError("give --step-time-s, the seconds one training step takes (the interval is in steps)")
     extra = {"duration_days": args.days} if args.days else {}
     if args.bytes_per_rank is not None:
-        if args.params is not None:
-            raise ConfigError("give either --params (with --tp/--pp/--dp) or --bytes-per-rank, not both")
         return Job(args.bytes_per_rank, args.checkpoint_bytes or args.bytes_per_rank * world, step_s, **extra)
+    for key in ("params", "tp", "pp", "dp"):
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
     if "params" not in model:
         raise ConfigError("give the model (--params, with --tp/--pp/--dp) or --bytes-per-rank")
     tp, pp = model.get("tp", 1), model.get("pp", 1)
-    dp = model.get("dp") or world // (tp * pp)
+    dp = args.dp or world // (tp * pp)  # a preset's DP is for its own cluster size
     if tp * pp * dp != world:
         raise ConfigError(f"TP {tp} x PP {pp} x DP {dp} = {tp * pp * dp} ranks, but the cluster has {world} GPUs")
-    job = Job.from_model(model["params"], tp, pp, dp, step_s, dp_split=bool(args.dp_split), **extra)
+    job = Job.from_model(model["params"], tp, pp, dp, step_s, weights_per_replica=args.weights_per_replica, **extra)
     if args.checkpoint_bytes:
         job = Job(job.bytes_per_rank, args.checkpoint_bytes, job.step_s, job.duration_days)
     return job

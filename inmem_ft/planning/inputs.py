@@ -71,22 +71,22 @@ class Cluster:
     host_memory: int | None = None  # bytes per node; None: not checked
     shm: int | None = None  # bytes of /dev/shm per node; None: not checked
     storage_gbps: float = 2000.0  # aggregate, GB/s (Llama 3: Tectonic, "2 TB/s sustained")
-    network_gbps: float = 400.0  # per node, GB/s (Llama 3: 400 Gbps RoCE per GPU, 8 per node)
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("storage_gbps", "network_gbps"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.storage_gbps > 0:
+            raise ConfigError(f"--storage-gbps must be > 0, got {self.storage_gbps}")
 
 
 @dataclass(frozen=True)
 class Job:
-    """The training state per rank. From a model: bf16 weights (2 bytes/parameter), each rank holding its
-    TP x PP share (every data-parallel replica holds one, unless `dp_split`: each stores 1/DP of it) and fp32
-    master weights + Adam moments (12 bytes/parameter) split over all ranks (a distributed optimizer)."""
+    """The training state per rank. From a model: bf16 weights (2 bytes/parameter) and fp32 master weights +
+    Adam moments (12 bytes/parameter, a distributed optimizer), split over all ranks: the Megatron adapter stores
+    a data-parallel-replicated shard once (Megatron's fully_parallel save), as the Snapshotter's dp_group does.
+    `weights_per_replica`: every data-parallel replica snapshots its own copy of its TP x PP share of the
+    weights instead (a plain Snapshotter without dp_group)."""
 
     bytes_per_rank: float
     checkpoint_bytes: float  # the job's unique state, what a disk checkpoint writes once
@@ -100,11 +100,11 @@ class Job:
 
     @classmethod
     def from_model(cls, params: float, tp: int, pp: int, dp: int, step_s: float, weight_bytes: int = 2,
-                   optimizer_bytes: int = 12, dp_split: bool = False, **kw) -> "Job":
+                   optimizer_bytes: int = 12, weights_per_replica: bool = False, **kw) -> "Job":
         for name, v in (("params", params), ("tp", tp), ("pp", pp), ("dp", dp)):
             if not v >= 1:
                 raise ConfigError(f"--{name} must be >= 1, got {v}")
-        weights = weight_bytes * params / (tp * pp) / (dp if dp_split else 1)
+        weights = weight_bytes * params / (tp * pp) / (1 if weights_per_replica else dp)
         optimizer = optimizer_bytes * params / (tp * pp * dp)
         return cls(weights + optimizer, (weight_bytes + optimizer_bytes) * params, step_s, **kw)
 

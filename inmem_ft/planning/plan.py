@@ -88,39 +88,51 @@ def young_daly(blocking_s: float, mtbf_s: float) -> float:
     return math.sqrt(2.0 * blocking_s * mtbf_s)
 
 
-def our_costs(cluster: Cluster, job: Job, costs: Costs) -> dict[str, float]:
-    """Seconds of each operation at this job's size: per-rank work runs in parallel on every rank, per-node work
-    once per node (its ranks' slots together), plus the measured growth per node beyond the benchmark's job."""
+def our_costs(cluster: Cluster, job: Job, costs: Costs, group_size: int = 2, parity: int = 1) -> dict[str, float]:
+    """Seconds of each operation at this job's size: per-rank work (the copy out of the GPU, commit, restore)
+    runs on every rank at once; protection pulls m x the node's bytes into each node (k chunks for each of its m
+    parity chunks, each 1/k of a node), a rebuild k x the lost node's bytes (k chunks for each chunk it lacks);
+    the rates were measured at G=2, m=1 (both 1 x the node), so they scale by m and by k. Plus the measured
+    growth per node beyond the benchmark's job."""
     rank_gib = job.bytes_per_rank / GIB
     node_gib = rank_gib * cluster.gpus_per_node
+    k = group_size - parity
     extra = max(cluster.nodes - costs.measured_nodes, 0)
-    commit = node_gib * costs.commit_s_per_gib + costs.commit_slope_s_per_node * extra
+    commit = rank_gib * costs.commit_s_per_gib + costs.commit_slope_s_per_node * extra
     restore = rank_gib * costs.restore_s_per_gib + costs.restore_slope_s_per_node * extra
     # Every node's SMP flushes its own slots; together they share the storage.
-    flush = cluster.nodes * job.bytes_per_rank * cluster.gpus_per_node / (cluster.storage_gbps * GB)
+    flush = cluster.nodes * node_gib * GIB / (cluster.storage_gbps * GB)
     return {"blocking": rank_gib * costs.blocking_s_per_gib, "commit": commit,
-            "protect": commit + node_gib * costs.protect_s_per_gib + costs.protect_slope_s_per_node * extra,
-            "restore": restore, "rebuild": node_gib * costs.rebuild_s_per_gib, "flush": flush}
+            "protect": commit + parity * node_gib * costs.protect_s_per_gib + costs.protect_slope_s_per_node * extra,
+            "restore": restore, "rebuild": k * node_gib * costs.rebuild_s_per_gib, "flush": flush}
 
 
-def choose_group(cluster: Cluster, failures: FailureModel, window_s: float, wall_s: float,
-                 target: float) -> tuple[int, int, float]:
-    """(G, m, expected losses beyond m over the run): the least parity memory that meets the target; among equal
-    memory the smaller group (a rebuild reads from fewer nodes). None fits: the safest candidate."""
+def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, interval_s: float,
+                 wall_s: float, target: float) -> tuple[int, int, float]:
+    """(G, m, expected losses beyond m over the run). Among the groups whose chance of losing more than m nodes
+    while a snapshot is protected (cluster.survival), summed over the run, meets the target: the least parity
+    memory whose rebuild hides behind the job's restart (the replacement rebuilds while the ranks restart),
+    else the fastest rebuild; among equals the smaller group. None meets the target: the safest."""
     mtbf_h = node_loss_mtbf_hours(failures)
     candidates = []
     for g in range(2, min(MAX_GROUP, cluster.nodes) + 1):
         if cluster.nodes % g or cluster.nodes // g < failures.correlated_nodes:
             continue  # must divide the nodes, and leave as many groups as a rack has nodes (groups span racks)
         for m in range(1, min(MAX_PARITY, g - 1) + 1):
-            inp = survival.Inputs(cluster.nodes, g, m, mtbf_h, window_s)
-            p = survival.ec_risk(inp, survival.node_failure_probability(window_s, mtbf_h)).p_loss
-            candidates.append((m / (g - m), g, m, p * wall_s / window_s))
+            ours = our_costs(cluster, job, costs, g, m)
+            window = max(interval_s, ours["protect"]) + ours["protect"]
+            inp = survival.Inputs(cluster.nodes, g, m, mtbf_h, window)
+            p = survival.ec_risk(inp, survival.node_failure_probability(window, mtbf_h)).p_loss
+            candidates.append((m / (g - m), g, m, p * wall_s / window, ours["rebuild"]))
     if not candidates:
         raise ConfigError(f"{cluster.nodes} nodes form no EC group of 2..{MAX_GROUP} nodes spanning racks of "
                           f"{failures.correlated_nodes}: use a node count with a divisor in that range")
-    fitting = [c for c in candidates if c[3] <= target]
-    best = min(fitting, key=lambda c: (c[0], c[1])) if fitting else min(candidates, key=lambda c: c[3])
+    safe = [c for c in candidates if c[3] <= target]
+    if not safe:
+        best = min(candidates, key=lambda c: c[3])
+    else:
+        hidden = [c for c in safe if c[4] <= costs.restart_s]
+        best = min(hidden, key=lambda c: (c[0], c[1])) if hidden else min(safe, key=lambda c: (c[4], c[0]))
     return best[1], best[2], best[3]
 
 
@@ -134,30 +146,35 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
               disk_interval_s: float | None = None) -> Plan:
     wall_s = job.duration_days * 86400.0
     mtbf = job_mtbf_s(cluster, failures)
-    ours = our_costs(cluster, job, costs)
+    blocking = our_costs(cluster, job, costs)["blocking"]
+    g, m, beyond = choose_group(cluster, job, failures, costs, max(young_daly(blocking, mtbf), job.step_s), wall_s,
+                                targets.beyond_m_per_run)
+    ours = our_costs(cluster, job, costs, g, m)
     interval_s = max(young_daly(ours["blocking"], mtbf), ours["protect"], job.step_s)
     steps = max(1, round(interval_s / job.step_s))
     interval_s = steps * job.step_s
-    window = interval_s + ours["protect"]
-    g, m, beyond = choose_group(cluster, failures, window, wall_s, targets.beyond_m_per_run)
     disk_age = max(2 * ours["flush"], min(targets.max_disk_age_s, wall_s))
     persist_every = max(1, math.ceil(disk_age / interval_s))
     mem = memory(job, cluster, g, m)
     restart = simulate.Restart(costs.detect_s, costs.restart_s, costs.hang_timeout_s)
-    strategies = (inmem_strategy(ours, interval_s, g, m, persist_every),
+    strategies = (inmem_strategy(ours, restart.restart_s, interval_s, g, m, persist_every),
                   disk_strategy(cluster, job, mtbf, disk_interval_s),
-                  replication_strategy(cluster, job, ours, interval_s, persist_every))
+                  replication_strategy(cluster, job, our_costs(cluster, job, costs), restart.restart_s, persist_every,
+                                       mtbf))
     results = tuple(simulate.summarize(s, restart, cluster.nodes, wall_s, failures, targets.seeds)
                     for s in strategies)
     return Plan(cluster, job, failures, costs, targets, steps, g, m, beyond, persist_every, mem,
                 (SLOTS_PER_RANK + 1) * job.bytes_per_rank * cluster.gpus_per_node, strategies, results, restart)
 
 
-def inmem_strategy(ours: dict, interval_s: float, g: int, m: int, persist_every: int) -> simulate.Strategy:
+def inmem_strategy(ours: dict, restart_s: float, interval_s: float, g: int, m: int,
+                   persist_every: int) -> simulate.Strategy:
+    """A replacement node rebuilds while the job restarts; its ranks restore once it is done."""
     return simulate.Strategy(
         f"in-memory EC (inmem_ft, G={g}, m={m})", interval_s, ours["blocking"], ours["commit"], ours["protect"],
-        persist_every, ours["commit"] + ours["flush"], ours["restore"], ours["rebuild"] + ours["restore"],
-        ours["flush"] + ours["restore"], group_size=g, tolerate=m)
+        persist_every, ours["commit"] + ours["flush"], ours["restore"],
+        max(ours["rebuild"] - restart_s, 0.0) + ours["restore"], ours["flush"] + ours["restore"], group_size=g,
+        tolerate=m)
 
 
 def disk_strategy(cluster: Cluster, job: Job, mtbf_s: float, interval_s: float | None = None) -> simulate.Strategy:
@@ -170,16 +187,19 @@ def disk_strategy(cluster: Cluster, job: Job, mtbf_s: float, interval_s: float |
                              in_memory=False)
 
 
-def replication_strategy(cluster: Cluster, job: Job, ours: dict, interval_s: float,
-                         persist_every: int) -> simulate.Strategy:
+def replication_strategy(cluster: Cluster, job: Job, ours: dict, restart_s: float, persist_every: int,
+                         mtbf_s: float) -> simulate.Strategy:
     """A full copy of each node's snapshot on one partner node (nvidia-resiliency-ext's local checkpoints,
-    Gemini): the same copy out of the GPU, then the node's bytes over its network link."""
-    node = job.bytes_per_rank * cluster.gpus_per_node
-    send = node / (cluster.network_gbps * GB)
+    Gemini): the same copy out of the GPU and commit, then the node's bytes to its partner, at the rate our
+    protection moves a node's bytes at G=2, m=1 (the same traffic); a lost node's copy comes back at our
+    rebuild rate with k=1."""
+    interval_s = max(young_daly(ours["blocking"], mtbf_s), ours["protect"], job.step_s)
+    interval_s = max(1, round(interval_s / job.step_s)) * job.step_s
     return simulate.Strategy(
-        "full replication (NVRx/Gemini style, x1)", interval_s, ours["blocking"], ours["commit"],
-        ours["commit"] + send, persist_every, ours["commit"] + ours["flush"], ours["restore"],
-        send + ours["restore"], ours["flush"] + ours["restore"], group_size=2, tolerate=1)
+        "full replication (NVRx/Gemini style, x1)", interval_s, ours["blocking"], ours["commit"], ours["protect"],
+        persist_every, ours["commit"] + ours["flush"], ours["restore"],
+        max(ours["rebuild"] - restart_s, 0.0) + ours["restore"], ours["flush"] + ours["restore"], group_size=2,
+        tolerate=1)
 
 
 def config_block(plan: Plan, persist_dir: str) -> dict:

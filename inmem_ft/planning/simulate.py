@@ -60,9 +60,10 @@ class Restart:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Fixed failures instead of random ones: (compute seconds reached, kind, nodes lost) in order."""
+    """Fixed failures instead of random ones, in order: (compute seconds reached, kind, nodes lost, seconds its
+    detection + restart + restore take or None for the strategy's), e.g. a measured run's failures and parts."""
 
-    failures: tuple[tuple[float, str, int], ...]
+    failures: tuple[tuple[float, str, int, float | None], ...]
 
 
 @dataclass
@@ -143,12 +144,13 @@ def simulate(s: Strategy, restart: Restart, nodes: int, wall_s: float, failures:
     kinds = failures.kinds() if isinstance(failures, FailureModel) else None
     rate = nodes * failures.per_node_per_hour / 3600.0 if kinds else 0.0
     planned = list(failures.failures) if not kinds else []
+    fixed = None
     while True:
         if kinds:
             at = t + rng.expovariate(rate)
             kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
         elif planned:
-            reached, kind, count = planned.pop(0)
+            reached, kind, count, fixed = planned.pop(0)
             at = t + _wall_to_reach(s, reached - job.work)
         else:
             at = math.inf
@@ -165,8 +167,11 @@ def simulate(s: Strategy, restart: Restart, nodes: int, wall_s: float, failures:
         run.accounts["useful"] -= lost
         run.accounts["recompute"] += lost
         restore_s = {"memory": s.restore_memory_s, "peers": s.restore_peers_s, "disk": s.restore_disk_s}[tier]
-        parts = [("hang detection", restart.hang_timeout_s if kind == "hang" else 0.0),
-                 ("detection", restart.detect_s), ("restart", restart.restart_s), (f"restore ({tier})", restore_s)]
+        parts = [("hang detection", restart.hang_timeout_s if kind == "hang" else 0.0)]
+        if fixed is None:
+            parts += [("detection", restart.detect_s), ("restart", restart.restart_s), (f"restore ({tier})", restore_s)]
+        else:
+            parts.append(("restart", fixed))
         down = sum(seconds for _, seconds in parts)
         left = wall_s - at  # the run may end inside this recovery: only what came before the end counts
         for account, seconds in parts:
