@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("targets and output")
     t.add_argument("--target-beyond-m", type=num, default=0.01, metavar="N",
                    help="expected losses of more than m nodes of a group over the run (default: %(default)s)")
+    t.add_argument("--rebuild-share", type=num, default=0.001, metavar="SHARE",
+                   help="share of the run rebuilds may take beyond the restarts they overlap; bigger groups need "
+                        "less parity memory but rebuild slower (default: %(default)s)")
     t.add_argument("--max-disk-age", type=units.argparse_duration, default=3600.0, metavar="AGE",
                    help="flush to disk at least this often, e.g. 30m (default: 1h)")
     t.add_argument("--disk-interval-s", type=num, default=None,
@@ -169,7 +172,7 @@ def run(args, error) -> int:
     """`error(message)` ends the command with one line and exit code 2 (argparse's parser.error)."""
     try:
         cluster, job, failures, costs = resolve(args)
-        targets = planning.Targets(args.target_beyond_m, args.max_disk_age, args.seeds)
+        targets = planning.Targets(args.target_beyond_m, args.rebuild_share, args.max_disk_age, args.seeds)
         result = planning.make_plan(cluster, job, failures, costs, targets, disk_interval_s=args.disk_interval_s)
         block = planning.config_block(result, args.persist_dir)
     except ConfigError as e:
@@ -194,7 +197,7 @@ def as_json(p: planning.Plan, block: dict) -> dict:
             "memory": {"slots": p.memory.slots, "parity": p.memory.parity, "staging": p.memory.staging,
                        "shm": p.memory.shm, "replication": p.replication_memory},
             "job_mtbf_s": planning.job_mtbf_s(p.cluster, p.failures),
-            "costs_s": planning.our_costs(p.cluster, p.job, p.costs),
+            "costs_s": planning.our_costs(p.cluster, p.job, p.costs, p.group_size, p.parity),
             "restart_s": p.restart.restart_s, "inmem_ft": block,
             "megatron_args": planning.megatron_args(p, "inmem_ft.json"),
             "strategies": [{**asdict(r), "interval_s": s.interval_s, "blocking_s": s.blocking_s}
@@ -203,7 +206,7 @@ def as_json(p: planning.Plan, block: dict) -> dict:
 
 def report(p: planning.Plan, block: dict) -> str:
     c, j, f, k = p.cluster, p.job, p.failures, p.costs
-    ours = planning.our_costs(c, j, k)
+    ours = planning.our_costs(c, j, k, p.group_size, p.parity)
     mtbf = planning.job_mtbf_s(c, f)
     node = p.node_bytes
     lines = [

@@ -120,16 +120,17 @@ class Costs:
     node of the job beyond `measured_nodes` (benchmarks/scaling.py --only nodes)."""
 
     blocking_s_per_gib: float = GIB / (52.8 * GB)  # one rank's copy out of its GPU (FINDINGS: H100 D2H 52.8 GB/s)
-    commit_s_per_gib: float = 0.35
-    protect_s_per_gib: float = 2.0
-    restore_s_per_gib: float = 0.35
-    rebuild_s_per_gib: float = 2.0
+    # Measured on a 2-core x86_64 box under load (docs/data/scaling-size.json, docs/data/scaling-nodes.json).
+    commit_s_per_gib: float = 0.0768
+    protect_s_per_gib: float = 4.70
+    restore_s_per_gib: float = 0.532
+    rebuild_s_per_gib: float = 4.70
     detect_s: float = 0.045
     restart_s: float = 30.0
     hang_timeout_s: float = 60.0
-    protect_slope_s_per_node: float = 0.0
-    commit_slope_s_per_node: float = 0.0
-    restore_slope_s_per_node: float = 0.0
+    protect_slope_s_per_node: float = 0.000333
+    commit_slope_s_per_node: float = 0.003625
+    restore_slope_s_per_node: float = 0.002771
     measured_nodes: int = 2
     sources: dict = field(default_factory=dict, compare=False)
 
@@ -148,19 +149,25 @@ class Costs:
 
 SOURCES = {
     "blocking_s_per_gib": "H100 device-to-host copy, 52.8 GB/s per GPU (nvbandwidth, public; FINDINGS.md)",
-    "commit_s_per_gib": "benchmarks/scaling.py --only size (slope of commit time), 2-core CPU box",
-    "protect_s_per_gib": "benchmarks/scaling.py --only nodes (commit -> protected, G=2 m=1, loopback), 2-core box",
-    "restore_s_per_gib": "benchmarks/scaling.py --only nodes (read a rank's slot back), 2-core box",
-    "rebuild_s_per_gib": "benchmarks/scaling.py --only nodes (replacement SMP rebuilt from its group), 2-core box",
+    "commit_s_per_gib": "benchmarks/scaling.py --quick --only size: slope of commit time (docs/data/scaling-size.json)",
+    "protect_s_per_gib": "benchmarks/scaling.py --only nodes: commit -> protected, G=2 m=1, 2 nodes, loopback "
+                         "(docs/data/scaling-nodes.json)",
+    "restore_s_per_gib": "benchmarks/scaling.py --only nodes: a rank maps its slot, copies it out, verifies it "
+                         "(docs/data/scaling-nodes.json)",
+    "rebuild_s_per_gib": "benchmarks/scaling.py --only nodes: a replacement SMP rebuilt from its group, 2 nodes "
+                         "(docs/data/scaling-nodes.json)",
     "detect_s": "README: benchmarks/time_lost.py, warm standbys, median detection of a killed rank",
     "restart_s": "assumption: a job-wide restart at scale (scheduling onto a spare node, process start, NCCL "
                  "init, which takes tens of seconds at 32K+ GPUs per NVIDIA/nccl PR 1789); our measured "
                  "teardown + start + rendezvous + setup on 2 nodes is 0.42 s",
     "hang_timeout_s": "inmem-ft launch --heartbeat-timeout default",
-    "protect_slope_s_per_node": "benchmarks/scaling.py --only nodes (CPU seconds per node vs nodes)",
-    "commit_slope_s_per_node": "benchmarks/scaling.py --only nodes (CPU seconds per node vs nodes)",
-    "restore_slope_s_per_node": "benchmarks/scaling.py --only nodes (CPU seconds per node vs nodes)",
-    "measured_nodes": "benchmarks/scaling.py --only nodes (smallest job measured)",
+    "protect_slope_s_per_node": "benchmarks/scaling.py --only nodes: SMP CPU seconds per node, 2..8 nodes "
+                                "(docs/data/scaling-nodes.json)",
+    "commit_slope_s_per_node": "benchmarks/scaling.py --only nodes: SMP CPU seconds per node, 2..8 nodes "
+                               "(docs/data/scaling-nodes.json)",
+    "restore_slope_s_per_node": "benchmarks/scaling.py --only nodes: SMP CPU seconds per node, 2..8 nodes "
+                                "(docs/data/scaling-nodes.json)",
+    "measured_nodes": "benchmarks/scaling.py --only nodes: the smallest job measured (docs/data/scaling-nodes.json)",
 }
 
 

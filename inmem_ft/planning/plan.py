@@ -4,8 +4,9 @@ effective training time it buys next to disk checkpoints and full in-memory repl
 - interval: Young/Daly, sqrt(2 x blocking x job MTBF), at least the time to protect a snapshot (the SMP cannot
   protect snapshots faster than that) and one step;
 - G and m: the least parity memory m/(G-m) whose chance of losing more than m nodes of a group while a snapshot
-  is being protected (`cluster.survival`), summed over the run, stays under the target; groups must span
-  racks, so a lost rack costs each group at most one node;
+  is being protected (`cluster.survival`), summed over the run, stays under the target, and whose rebuilds
+  (k x a node's bytes read) cost little beyond the restart they overlap; groups must span racks, so a lost
+  rack costs each group at most one node;
 - persist_every: flush to disk about every `max_disk_age_s`, never more often than the storage can take (twice
   the flush time): what losses beyond m, or of every node, fall back to;
 - memory per node: two slots per rank (committed + in flight), parity m/(G-m) of the node's slots twice (the
@@ -33,6 +34,7 @@ MAX_PARITY = 3
 @dataclass(frozen=True)
 class Targets:
     beyond_m_per_run: float = 0.01  # expected losses of more than m nodes of a group, over the whole run
+    rebuild_share: float = 0.001  # of the run, spent rebuilding beyond what hides behind the restarts
     max_disk_age_s: float = 3600.0
     seeds: int = 20
 
@@ -108,12 +110,14 @@ def our_costs(cluster: Cluster, job: Job, costs: Costs, group_size: int = 2, par
 
 
 def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, interval_s: float,
-                 wall_s: float, target: float) -> tuple[int, int, float]:
+                 wall_s: float, targets: "Targets") -> tuple[int, int, float]:
     """(G, m, expected losses beyond m over the run). Among the groups whose chance of losing more than m nodes
-    while a snapshot is protected (cluster.survival), summed over the run, meets the target: the least parity
-    memory whose rebuild hides behind the job's restart (the replacement rebuilds while the ranks restart),
-    else the fastest rebuild; among equals the smaller group. None meets the target: the safest."""
+    while a snapshot is protected (cluster.survival), summed over the run, meets the target, and whose rebuilds
+    cost at most `targets.rebuild_share` of the run beyond what hides behind the job's restart (a replacement
+    rebuilds while the ranks restart; a rebuild reads k x the node): the least parity memory, then the smaller
+    group. None meets both: the safest of those meeting the survival target with the fastest rebuild."""
     mtbf_h = node_loss_mtbf_hours(failures)
+    losses = wall_s * cluster.nodes * failures.per_node_per_hour / 3600.0 * (failures.node + failures.correlated)
     candidates = []
     for g in range(2, min(MAX_GROUP, cluster.nodes) + 1):
         if cluster.nodes % g or cluster.nodes // g < failures.correlated_nodes:
@@ -123,16 +127,17 @@ def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Cost
             window = max(interval_s, ours["protect"]) + ours["protect"]
             inp = survival.Inputs(cluster.nodes, g, m, mtbf_h, window)
             p = survival.ec_risk(inp, survival.node_failure_probability(window, mtbf_h)).p_loss
-            candidates.append((m / (g - m), g, m, p * wall_s / window, ours["rebuild"]))
+            rebuild_share = losses * max(ours["rebuild"] - costs.restart_s, 0.0) / wall_s
+            candidates.append((m / (g - m), g, m, p * wall_s / window, rebuild_share))
     if not candidates:
         raise ConfigError(f"{cluster.nodes} nodes form no EC group of 2..{MAX_GROUP} nodes spanning racks of "
                           f"{failures.correlated_nodes}: use a node count with a divisor in that range")
-    safe = [c for c in candidates if c[3] <= target]
+    safe = [c for c in candidates if c[3] <= targets.beyond_m_per_run]
     if not safe:
         best = min(candidates, key=lambda c: c[3])
     else:
-        hidden = [c for c in safe if c[4] <= costs.restart_s]
-        best = min(hidden, key=lambda c: (c[0], c[1])) if hidden else min(safe, key=lambda c: (c[4], c[0]))
+        cheap = [c for c in safe if c[4] <= targets.rebuild_share]
+        best = min(cheap, key=lambda c: (c[0], c[1])) if cheap else min(safe, key=lambda c: (c[4], c[0]))
     return best[1], best[2], best[3]
 
 
@@ -148,10 +153,10 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
     mtbf = job_mtbf_s(cluster, failures)
     blocking = our_costs(cluster, job, costs)["blocking"]
     g, m, beyond = choose_group(cluster, job, failures, costs, max(young_daly(blocking, mtbf), job.step_s), wall_s,
-                                targets.beyond_m_per_run)
+                                targets)
     ours = our_costs(cluster, job, costs, g, m)
-    interval_s = max(young_daly(ours["blocking"], mtbf), ours["protect"], job.step_s)
-    steps = max(1, round(interval_s / job.step_s))
+    steps = max(1, round(max(young_daly(ours["blocking"], mtbf), job.step_s) / job.step_s),
+                math.ceil(ours["protect"] / job.step_s))
     interval_s = steps * job.step_s
     disk_age = max(2 * ours["flush"], min(targets.max_disk_age_s, wall_s))
     persist_every = max(1, math.ceil(disk_age / interval_s))
@@ -163,8 +168,10 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
                                        mtbf))
     results = tuple(simulate.summarize(s, restart, cluster.nodes, wall_s, failures, targets.seeds)
                     for s in strategies)
-    return Plan(cluster, job, failures, costs, targets, steps, g, m, beyond, persist_every, mem,
-                (SLOTS_PER_RANK + 1) * job.bytes_per_rank * cluster.gpus_per_node, strategies, results, restart)
+    # Replication's copies overlap as parity sets do: the partner keeps the old copy until the new one is whole.
+    replicated = (SLOTS_PER_RANK + PARITY_SETS) * job.bytes_per_rank * cluster.gpus_per_node
+    return Plan(cluster, job, failures, costs, targets, steps, g, m, beyond, persist_every, mem, replicated,
+                strategies, results, restart)
 
 
 def inmem_strategy(ours: dict, restart_s: float, interval_s: float, g: int, m: int,
@@ -193,8 +200,8 @@ def replication_strategy(cluster: Cluster, job: Job, ours: dict, restart_s: floa
     Gemini): the same copy out of the GPU and commit, then the node's bytes to its partner, at the rate our
     protection moves a node's bytes at G=2, m=1 (the same traffic); a lost node's copy comes back at our
     rebuild rate with k=1."""
-    interval_s = max(young_daly(ours["blocking"], mtbf_s), ours["protect"], job.step_s)
-    interval_s = max(1, round(interval_s / job.step_s)) * job.step_s
+    interval_s = max(1, round(max(young_daly(ours["blocking"], mtbf_s), job.step_s) / job.step_s),
+                     math.ceil(ours["protect"] / job.step_s)) * job.step_s
     return simulate.Strategy(
         "full replication (NVRx/Gemini style, x1)", interval_s, ours["blocking"], ours["commit"], ours["protect"],
         persist_every, ours["commit"] + ours["flush"], ours["restore"],
