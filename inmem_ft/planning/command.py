@@ -57,15 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama3-405b: Llama 3 405B on 2,048 nodes x 8 H100 (TP 8, PP 16, DP 128, 5.9 s steps, 54 "
                         "days), Llama 3's failure rate and causes, 2 TB/s storage; flags override (default: none)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--nodes", type=pos, help="nodes in the job")
-    c.add_argument("--gpus-per-node", type=pos, help="GPUs (ranks) per node")
+    c.add_argument("--nodes", type=pos, help="nodes in the job (default: the preset's; required without one)")
+    c.add_argument("--gpus-per-node", type=pos, help="GPUs (ranks) per node (default: the preset's; required without one)")
     c.add_argument("--host-memory", type=size, metavar="SIZE", help="host memory per node, to check the plan fits "
                                                                      "(default: not checked)")
     c.add_argument("--shm", type=size, metavar="SIZE", help="/dev/shm per node (default: not checked)")
     c.add_argument("--storage-gbps", type=num, help="shared storage bandwidth, GB/s, all nodes together "
                                                      "(default: 2000, Llama 3's 2 TB/s)")
     j = p.add_argument_group("job (a model, or --bytes-per-rank)")
-    j.add_argument("--params", type=num, help="model parameters, e.g. 405e9")
+    j.add_argument("--params", type=num, help="model parameters, e.g. 405e9 (default: the preset's)")
     j.add_argument("--tp", type=pos, default=None, help="tensor-parallel size (default: 1)")
     j.add_argument("--pp", type=pos, default=None, help="pipeline-parallel size (default: 1)")
     j.add_argument("--dp", type=pos, default=None, help="data-parallel size (default: GPUs / (TP x PP))")
@@ -73,16 +73,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every data-parallel replica snapshots its own copy of the weights (a Snapshotter without "
                         "dp_group) (default: stored once across data-parallel ranks, as the Megatron adapter does)")
     j.add_argument("--bytes-per-rank", type=size, metavar="SIZE",
-                   help="snapshot bytes per rank, instead of --params (e.g. from `inmem-ft smp status`)")
+                   help="snapshot bytes per rank, instead of --params, e.g. from `inmem-ft smp status` (default: from "
+                        "the model)")
     j.add_argument("--checkpoint-bytes", type=size, metavar="SIZE",
                    help="a disk checkpoint's size (default: 14 bytes per parameter, else bytes per rank x ranks)")
-    j.add_argument("--step-time-s", type=num, help="seconds per training step")
+    j.add_argument("--step-time-s", type=num, help="seconds per training step (default: the preset's; required "
+                                                             "without one)")
     j.add_argument("--days", type=num, help="length of the run simulated (default: 54, Llama 3's snapshot)")
     f = p.add_argument_group("failures")
     f.add_argument("--node-mtbf-hours", type=num, help="mean hours between interruptions caused by one node "
-                                                       "(default with --preset: Llama 3's, 6,335 h)")
+                                                       "(default: Llama 3's, 6,335 h, with --preset or "
+                                                       "--llama3-failures; required otherwise)")
     f.add_argument("--llama3-failures", action="store_true",
-                   help="Llama 3's rate and causes (419 unexpected interruptions, 54 days, 2,048 nodes)")
+                   help="Llama 3's rate and causes: 419 unexpected interruptions, 54 days, 2,048 nodes (default: "
+                        "with --preset)")
     for kind, default in (("node", "77%%"), ("crash", "12.9%%"), ("hang", "1.7%%"), ("correlated", "8.4%%")):
         f.add_argument(f"--share-{kind}", type=_share, metavar="SHARE",
                        help=f"share of interruptions that {KIND_HELP[kind]} (default: {default}, Llama 3)")
@@ -110,7 +114,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the disk tier's directory written into the block (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the plan as JSON (default: a report)")
     t.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw effective training time vs cluster size for the three strategies (needs matplotlib)")
+                   help="draw effective training time vs cluster size for the three strategies, needs matplotlib "
+                        "(default: none)")
 
 
 def resolve(args) -> tuple[Cluster, Job, FailureModel, Costs]:
@@ -271,8 +276,9 @@ def draw(p: planning.Plan, path: str, disk_interval_s: float | None) -> None:
         for s, r in zip(sub.strategies, sub.results):
             series.setdefault(s.name.split(" (")[0], []).append(r.effective * 100)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, values in series.items():
-        ax.plot(sizes, values, marker="o", label=name)
+    # Replication and EC often coincide (they differ in memory): dashed on top, so both show.
+    for (name, values), style in zip(series.items(), ("-o", "-s", "--^")):
+        ax.plot(sizes, values, style, label=name)
     ax.axvline(p.cluster.nodes, color="#999", linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"nodes ({p.cluster.gpus_per_node} GPUs each)")

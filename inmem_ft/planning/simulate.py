@@ -72,7 +72,8 @@ class Run:
     accounts: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
     restores: Counter = field(default_factory=Counter)
-    lost_per_failure: list[float] = field(default_factory=list)
+    lost_per_failure: list[float] = field(default_factory=list)  # seconds: computed again + the recovery
+    recomputed: list[float] = field(default_factory=list)  # compute seconds lost, per failure
 
     @property
     def effective(self) -> float:
@@ -180,6 +181,7 @@ def simulate(s: Strategy, restart: Restart, nodes: int, wall_s: float, failures:
         run.failures[kind] += 1
         run.restores[tier] += 1
         run.lost_per_failure.append(lost + down)
+        run.recomputed.append(lost)
         t = at + down
         if t >= wall_s:
             break
