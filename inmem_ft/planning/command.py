@@ -229,7 +229,7 @@ def report(p: planning.Plan, block: dict) -> str:
         f"of a node's snapshot); losses of more than m in a group expected {p.beyond_m_per_run:.2g} times in the "
         f"run (target {p.targets.beyond_m_per_run:g}); each group's nodes must sit in different racks",
         f"  persist_every   {p.persist_every} snapshots ({p.persist_every * p.interval_s / 60:.0f} min): a flush of "
-        f"every node takes {ours['flush']:.0f} s at {c.storage_gbps:g} GB/s",
+        f"every node takes {ours['flush']:.3g} s at {c.storage_gbps:g} GB/s",
         f"  memory per node /dev/shm {human(p.memory.shm)} = 2 slots x {human(node)} + parity 2 x {human(p.memory.parity / 2)}"
         f"; pinned staging {human(p.memory.staging)} (GPU jobs, outside /dev/shm); full replication would need "
         f"{human(p.replication_memory)} of /dev/shm",

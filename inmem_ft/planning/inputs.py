@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from ..errors import ConfigError
 
 GB, GIB = 1e9, float(1 << 30)
-HOUR = 3600.0
 
 # Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4 and Table 5): 419 unexpected
 # interruptions in a 54-day snapshot of pre-training on 16,384 H100 GPUs (2,048 nodes of 8).
@@ -119,7 +118,7 @@ class Costs:
     """What our operations cost. Rates are seconds per GiB of the bytes they move; slopes are seconds added per
     node of the job beyond `measured_nodes` (benchmarks/scaling.py --only nodes)."""
 
-    blocking_s_per_gib: float = GIB / (52.8 * GB)  # one rank's copy out of its GPU (FINDINGS: H100 D2H 52.8 GB/s)
+    blocking_s_per_gib: float = GIB / (52.8 * GB)  # one rank's copy out of its GPU (H100 D2H, 52.8 GB/s)
     # Measured on a 2-core x86_64 box under load (docs/data/scaling-size.json, docs/data/scaling-nodes.json).
     commit_s_per_gib: float = 0.0768
     protect_s_per_gib: float = 4.70
@@ -148,7 +147,7 @@ class Costs:
 
 
 SOURCES = {
-    "blocking_s_per_gib": "H100 device-to-host copy, 52.8 GB/s per GPU (nvbandwidth, public; FINDINGS.md)",
+    "blocking_s_per_gib": "H100 device-to-host copy, 52.8 GB/s per GPU (nvbandwidth, public figure)",
     "commit_s_per_gib": "benchmarks/scaling.py --quick --only size: slope of commit time (docs/data/scaling-size.json)",
     "protect_s_per_gib": "benchmarks/scaling.py --only nodes: commit -> protected, G=2 m=1, 2 nodes, loopback "
                          "(docs/data/scaling-nodes.json)",

@@ -130,8 +130,9 @@ def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Cost
             rebuild_share = losses * max(ours["rebuild"] - costs.restart_s, 0.0) / wall_s
             candidates.append((m / (g - m), g, m, p * wall_s / window, rebuild_share))
     if not candidates:
-        raise ConfigError(f"{cluster.nodes} nodes form no EC group of 2..{MAX_GROUP} nodes spanning racks of "
-                          f"{failures.correlated_nodes}: use a node count with a divisor in that range")
+        raise ConfigError(f"{cluster.nodes} nodes form no EC group of 2..{MAX_GROUP} nodes that divides them and "
+                          f"leaves at least {failures.correlated_nodes} groups (one per node of a rack, "
+                          f"--correlated-nodes): choose a node count with such a divisor, or fewer --correlated-nodes")
     safe = [c for c in candidates if c[3] <= targets.beyond_m_per_run]
     if not safe:
         best = min(candidates, key=lambda c: c[3])
