@@ -19,8 +19,9 @@ Every figure is a ratio or a slope measured in one run, against a baseline timed
            loopback TCP, encoded, sealed) for EC groups of G = 2 .. 8 SMPs with parity m = 1, 2, as
            benchmarks/ec_throughput.py measures it, over the G = 2, m = 1 figure.
   nodes    per-node costs against the number of nodes in the job, 2 .. 8 simulated nodes (--quick: 2, 4) in EC
-           groups of G = 2, m = 1, one rank each: commit, protection (commit -> protected on every node),
-           restore (a rank's slot read back, verified) and rebuild of a lost node, in wall seconds and in the
+           groups of G = 2, m = 1, one rank each: commit (the slot filled with random bytes in place, then
+           committed), protection (complete -> protected on every node), restore (a rank maps its slot, copies
+           it out and verifies its checksum) and rebuild of a lost node, in wall seconds and in the
            CPU seconds each node's SMP spent; the slope per added node is what `inmem-ft plan` extrapolates to a
            large job (CPU seconds: on a shared box every added node takes cores from the others, which wall
            time would charge to the job).
