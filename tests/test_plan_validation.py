@@ -63,6 +63,8 @@ def test_the_simulator_predicts_the_time_a_launch_run_lost_within_20_percent(run
                       zip(timeline["time_lost"], measured, predicted))
           + f"; total {sum(measured):.2f} vs {sum(predicted):.2f}")
     assert len(predicted) == len(measured) == 3
-    # The same snapshot restored, so the same steps computed again.
-    assert steps_again == [s["steps_recomputed"] for s in timeline["time_lost"]]
+    # The same snapshot restored, so the same steps computed again; for the lost node, whose snapshot must also
+    # be protected, the median protection lag the simulator gets may put a loaded box's one snapshot either side.
+    again = [s["steps_recomputed"] for s in timeline["time_lost"]]
+    assert steps_again[:2] == again[:2] and steps_again[2] in (again[2] - INTERVAL, again[2], again[2] + INTERVAL)
     assert abs(sum(predicted) - sum(measured)) <= 0.2 * sum(measured)
