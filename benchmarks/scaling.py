@@ -1,6 +1,6 @@
 """How snapshot costs grow with the job: state size, tensor count, ranks per node, EC group size.
 
-    python benchmarks/scaling.py [--quick] [--json OUT] [--plot PNG] [--only size,tensors,ranks,protect]
+    python benchmarks/scaling.py [--quick] [--json OUT] [--plot PNG] [--only size,tensors,ranks,protect,nodes]
 
 Every figure is a ratio or a slope measured in one run, against a baseline timed beside it:
   size     Snapshotter.save (the plain API, a real SMP, one rank) of 16 tensors of 64 MiB .. 4 GiB in all
@@ -18,6 +18,13 @@ Every figure is a ratio or a slope measured in one run, against a baseline timed
   protect  a step's protection (commit to protected on every node: parity pulled over authenticated
            loopback TCP, encoded, sealed) for EC groups of G = 2 .. 8 SMPs with parity m = 1, 2, as
            benchmarks/ec_throughput.py measures it, over the G = 2, m = 1 figure.
+  nodes    per-node costs against the number of nodes in the job, 2 .. 8 simulated nodes (--quick: 2, 4) in EC
+           groups of G = 2, m = 1, one rank each: commit (the slot filled with random bytes in place, then
+           committed), protection (complete -> protected on every node), restore (a rank maps its slot, copies
+           it out and verifies its checksum) and rebuild of a lost node, in wall seconds and in the
+           CPU seconds each node's SMP spent; the slope per added node is what `inmem-ft plan` extrapolates to a
+           large job (CPU seconds: on a shared box every added node takes cores from the others, which wall
+           time would charge to the job).
 Medians over the repeats; one intra-op thread per process, as torchrun sets for each rank. On a shared
 machine absolute times move with the load; the ratios do less.
 """
@@ -260,6 +267,100 @@ def run_protect(groups: list[int], parities: list[int], node_bytes: int) -> list
     return out
 
 
+# ---- per-node costs against the job's node count -----------------------------------------------------
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_per_node(cluster, nodes) -> float:
+    return statistics.fmean(_cpu_s(cluster.smps[n].pid) for n in nodes)
+
+
+def restore_local(socket_path: str, rank: int, nbytes: int) -> float:
+    """Seconds a rank takes to take its newest slot back: map the segment, copy the data out, verify its checksum
+    (a restore from the node's own memory)."""
+    import numpy as np
+
+    from inmem_ft.smp.client import SMPClient
+    from inmem_ft.smp.segments import Segment
+    from inmem_ft.snapshot import segment as seg
+    from inmem_ft.snapshot.checksum import checksum
+
+    t0 = time.perf_counter()
+    client = SMPClient(socket_path)
+    try:
+        name = client.call("list", rank=rank)["slots"][0]["segment"]
+    finally:
+        client.close()
+    segment = Segment(name)
+    header = seg.Header.read(segment.buf)
+    data = np.frombuffer(segment.buf, dtype=np.uint8, count=nbytes, offset=header.data_off).copy()
+    checksum(data)
+    segment.close()
+    return time.perf_counter() - t0
+
+
+def measure_nodes(nodes: int, node_bytes: int) -> dict:
+    """One EC job of `nodes` SMPs (G = 2, m = 1, one rank each): commit, protect, restore and rebuild."""
+    import rebuild  # benchmarks/rebuild.py: its in-place commit of one slot, its rebuild of a lost node
+    from inmem_ft.launcher.simulated import SimulatedCluster
+    from inmem_ft.smp import control
+    os.environ.setdefault("INMEM_FT_SECRET", "benchmark-secret-" + "0" * 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["INMEM_FT_RUNTIME_DIR"] = os.path.join(tmp, "run")
+        cluster = SimulatedCluster(nodes, 1, f"scalnodes{os.getpid()}n{nodes}", 4 * node_bytes + 64 * MIB,
+                                   os.path.join(tmp, "logs"), parity=1, group_size=2).start()
+        try:
+            every = range(nodes)
+            cpu0, commits = _cpu_per_node(cluster, every), []
+            for node in every:
+                t0 = time.perf_counter()
+                rebuild.commit(cluster.socket_path(node), node, node_bytes, seed=node)
+                commits.append(time.perf_counter() - t0)
+            cpu1 = _cpu_per_node(cluster, every)
+            t0 = time.perf_counter()
+            for node in every:
+                control.call(cluster.socket_path(node), "complete", step=1)
+            while any(control.call(cluster.socket_path(n), "status")["ec"]["protected_step"] != 1 for n in every):
+                time.sleep(0.02)  # each status call costs the SMPs CPU: polled gently
+            protect = time.perf_counter() - t0
+            cpu2 = _cpu_per_node(cluster, every)
+            restores = [restore_local(cluster.socket_path(node), node, node_bytes) for node in every]
+            cpu3 = _cpu_per_node(cluster, every)
+            rebuilt = rebuild.rebuild_once(cluster, node_bytes, f"{nodes} nodes", None)
+        finally:
+            cluster.stop()
+    return {"nodes": nodes, "node_bytes": node_bytes, "commit_s": statistics.median(commits), "protect_s": protect,
+            "restore_s": statistics.median(restores), "rebuild_s": rebuilt["rebuild_s"] or rebuilt["wall_s"],
+            "commit_cpu_s": cpu1 - cpu0, "protect_cpu_s": cpu2 - cpu1, "restore_cpu_s": cpu3 - cpu2}
+
+
+def run_nodes(counts: list[int], node_bytes: int) -> list[dict]:
+    out = []
+    for n in counts:
+        with report.phase(f"nodes: {n} SMPs in EC groups of 2 (m=1), {node_bytes // MIB} MiB per node"):
+            out.append(measure_nodes(n, node_bytes))
+    return out
+
+
+def nodes_slope(rows: list[dict]) -> dict:
+    """Least-squares seconds added per node, for each cost, wall and CPU."""
+    xs = [r["nodes"] for r in rows]
+    mx = statistics.fmean(xs)
+
+    def fit(key):
+        ys = [r[key] for r in rows]
+        my = statistics.fmean(ys)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+    return {f"{key}_s_per_node": fit(f"{key}_s") for key in ("commit", "protect", "restore", "rebuild", "commit_cpu",
+                                                             "protect_cpu", "restore_cpu")}
+
+
 # ---- report --------------------------------------------------------------------------------------------
 
 def slope(rows: list[dict], key: str) -> float:
@@ -300,6 +401,15 @@ def format_results(res: dict) -> str:
         lines += report.table("protection (commit -> protected on every node, loopback):",
                        [("G", "{nodes}"), ("m", "{m}"), ("MiB/node", "{mib}"), ("parity MiB", "{parity_mib:.1f}"),
                         ("protect s", "{protect_s:.3f}"), ("vs smallest", "{ratio_vs_smallest:.2f}")], rows)
+    if res.get("nodes"):
+        rows = [{**r, "mib": r["node_bytes"] // MIB} for r in res["nodes"]]
+        lines += report.table("per-node costs vs nodes in the job (EC groups of 2, m=1; wall s, and the SMP's CPU s):",
+                       [("nodes", "{nodes}"), ("MiB/node", "{mib}"), ("commit s", "{commit_s:.4f}"),
+                        ("protect s", "{protect_s:.3f}"), ("restore s", "{restore_s:.4f}"),
+                        ("rebuild s", "{rebuild_s:.3f}"), ("commit cpu", "{commit_cpu_s:.3f}"),
+                        ("protect cpu", "{protect_cpu_s:.3f}"), ("restore cpu", "{restore_cpu_s:.3f}")], rows)
+        if res.get("nodes_slope"):
+            lines.append("  slope per added node: " + ", ".join(f"{k} {v:+.4f} s" for k, v in res["nodes_slope"].items()))
     return "\n".join(lines)
 
 
@@ -368,7 +478,7 @@ def main(argv=None) -> int:
                                                         "(a few minutes on 2 cores)")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here")
     p.add_argument("--plot", metavar="PNG", help="draw the four curves here (needs matplotlib)")
-    p.add_argument("--only", default="size,tensors,ranks,protect", help="comma-separated sections to run")
+    p.add_argument("--only", default="size,tensors,ranks,protect,nodes", help="comma-separated sections to run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, help=argparse.SUPPRESS)
@@ -378,9 +488,9 @@ def main(argv=None) -> int:
         rank_worker(args)
         return 0
     only = set(args.only.split(","))
-    unknown = only - {"size", "tensors", "ranks", "protect"}
+    unknown = only - {"size", "tensors", "ranks", "protect", "nodes"}
     if unknown:
-        p.error(f"--only: unknown sections {sorted(unknown)}; choose from size, tensors, ranks, protect")
+        p.error(f"--only: unknown sections {sorted(unknown)}; choose from size, tensors, ranks, protect, nodes")
     quick = args.quick
     repeats = 5 if quick else 9
     res = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -405,6 +515,9 @@ def main(argv=None) -> int:
         if "protect" in only:
             res["protect"] = run_protect([2, 4, 8] if quick else [2, 3, 4, 6, 8], [1, 2],
                                          (16 if quick else 64) * MIB)
+        if "nodes" in only:
+            res["nodes"] = run_nodes([2, 4] if quick else [2, 4, 6, 8], (64 if quick else 128) * MIB)
+            res["nodes_slope"] = nodes_slope(res["nodes"])
     print(format_results(res))
     report.write(res, args.json, plot, args.plot)
     return 0

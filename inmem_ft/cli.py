@@ -11,6 +11,7 @@ import time
 from . import assets, units
 from ._version import __version__
 from .cluster import survival
+from .planning import command as plan_command
 from .cluster.options import ECOptions, add_ec_arguments, options_from_args, peer_argv
 from .errors import ConfigError, InmemFTError, SMPUnavailable
 from .smp import control, inventory, paths
@@ -468,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
     surv = sub.add_parser("survival", help="probability that an in-memory snapshot is lost, EC vs replication")
     survival.add_survival_arguments(surv)
     surv.set_defaults(fn=survival.run_survival)
+
+    plan = sub.add_parser("plan", help="recommend the snapshot interval, EC group, parity, disk-tier cadence and "
+                                       "memory for a cluster's failure rate, and simulate the effective training "
+                                       "time against disk checkpoints and full replication")
+    plan_command.add_arguments(plan)
+    plan.set_defaults(fn=lambda args: plan_command.run(args, plan.error))
 
     _file_command(sub, "launch-script", assets.launch_script, assets.LAUNCH_SCRIPTS,
                   "print a launch script shipped with inmem_ft: torchrun (one node: its SMP and torchrun with "
