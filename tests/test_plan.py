@@ -47,7 +47,7 @@ def test_the_report_prints_a_block_the_config_class_accepts_and_the_megatron_arg
     out = plan("--preset", "llama3-405b", "--seeds", "4", "--persist-dir", str(tmp_path / "ckpt"))
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for line in ("recommended:", "  interval ", "  group, parity ", "  persist_every ", "  memory per node ",
+    for line in ("recommended:", "  interval ", "  group, parity ", "  persist_every_steps ", "  memory per node ",
                  "effective training time over 54 days", "disk checkpoints", "full replication"):
         assert line in text
     start = text.index("{", text.index("inmem_ft block"))

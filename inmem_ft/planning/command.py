@@ -198,7 +198,7 @@ def run(args, error) -> int:
 
 def as_json(p: planning.Plan, block: dict) -> dict:
     return {"interval_steps": p.interval_steps, "interval_s": p.interval_s, "group_size": p.group_size,
-            "parity": p.parity, "persist_every": p.persist_every, "beyond_m_per_run": p.beyond_m_per_run,
+            "parity": p.parity, "persist_every_steps": p.persist_every * p.interval_steps, "beyond_m_per_run": p.beyond_m_per_run,
             "memory": {"slots": p.memory.slots, "parity": p.memory.parity, "staging": p.memory.staging,
                        "shm": p.memory.shm, "replication": p.replication_memory},
             "job_mtbf_s": planning.job_mtbf_s(p.cluster, p.failures),
@@ -228,7 +228,8 @@ def report(p: planning.Plan, block: dict) -> str:
         f"  group, parity   G={p.group_size} nodes, m={p.parity} (parity {p.parity / (p.group_size - p.parity):.0%} "
         f"of a node's snapshot); losses of more than m in a group expected {p.beyond_m_per_run:.2g} times in the "
         f"run (target {p.targets.beyond_m_per_run:g}); each group's nodes must sit in different racks",
-        f"  persist_every   {p.persist_every} snapshots ({p.persist_every * p.interval_s / 60:.0f} min): a flush of "
+        f"  persist_every_steps {p.persist_every * p.interval_steps} ({p.persist_every} snapshots, "
+        f"{p.persist_every * p.interval_s / 60:.0f} min): a flush of "
         f"every node takes {ours['flush']:.3g} s at {c.storage_gbps:g} GB/s",
         f"  memory per node /dev/shm {human(p.memory.shm)} = 2 slots x {human(node)} + parity 2 x {human(p.memory.parity / 2)}"
         f"; pinned staging {human(p.memory.staging)} (GPU jobs, outside /dev/shm); full replication would need "

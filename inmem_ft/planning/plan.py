@@ -216,7 +216,7 @@ def config_block(plan: Plan, persist_dir: str) -> dict:
     budget_gib = math.ceil(plan.memory.shm * 1.05 / GIB)  # 5% for manifests and headers
     block = {"enabled": True, "interval": plan.interval_steps, "memory_budget": f"{budget_gib}GiB",
              "group_size": plan.group_size, "parity": plan.parity, "persist_dir": persist_dir,
-             "persist_every": plan.persist_every}
+             "persist_every_steps": plan.persist_every * plan.interval_steps}
     InmemFTBlock.from_dict(block)
     return block
 
