@@ -107,6 +107,7 @@ class InmemFTBlock:
     adapter and, for its SMP-side keys (memory_budget, group_size, parity, persist_*), by `inmem-ft smp start`."""
 
     enabled: bool = True
+    """false: the adapter leaves the engine as it is (no snapshots, no restore)."""
     interval: int = 100
     """Snapshot every this many optimizer steps."""
     job: str | None = None

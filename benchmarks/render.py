@@ -1,0 +1,197 @@
+"""Renders the benchmark figures of the docs and the README from the result files in benchmarks/results/, so
+that no figure is typed by hand and each says where, when, on which commit and by which command it was measured
+(the `meta` every benchmark's JSON carries, report.meta).
+
+    python benchmarks/render.py            # the docs' benchmark page, as markdown, on stdout
+    python benchmarks/render.py --readme   # rewrite README.md's block between the benchmark-figures markers
+    python benchmarks/render.py --check    # exit 1 when README.md's block is not what the results say
+
+The docs build calls render_page() through scripts/mkdocs_hooks.py."""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- BEGIN benchmark-figures -->", "<!-- END benchmark-figures -->"
+
+
+def load() -> dict[str, dict]:
+    """{benchmark name: results} of every result file that carries its meta."""
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "meta" in data:
+            out[data["meta"]["benchmark"]] = {**data, "_file": f"benchmarks/results/{path.name}"}
+    return out
+
+
+def where(data: dict) -> str:
+    m = data["meta"]
+    machine = m["machine"]
+    load_avg = machine["load_average"]
+    box = f"{machine['cores']}-core {machine['cpu']} CPU, {machine['memory_gib']} GiB"
+    if machine.get("gpu"):
+        box += f", {machine['gpu']}"
+    return (f"{box}; load average {load_avg[0]} at the start, {load_avg[1]} at the end; {m['date'][:10]}, "
+            f"commit `{m['commit']}`; `{m['command']}` ([result file]({data['_file']}))")
+
+
+def _fmt(value: object, key: str = "") -> str:
+    if isinstance(value, bool) or value is None:
+        return {None: "—", True: "yes", False: "no"}[value]
+    if isinstance(value, float):
+        if key.endswith("_s"):
+            return f"{value:.3f} s" if value >= 0.001 else f"{value * 1e6:.0f} µs"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows])
+
+
+# Keys that are bookkeeping, not figures.
+SKIP = {"meta", "_file", "args", "runs", "rounds", "config", "machine", "skipped", "restore_runs", "disk_load_runs",
+        "dlrover_losses_after", "torch_engine_tag"}
+
+
+def _scalars(data: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, value) of every number, flag or short string under `data`, depth first."""
+    out = []
+    for key, value in data.items():
+        if key in SKIP:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out += _scalars(value, name + ".")
+        elif isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) < 80):
+            out.append((name, value))
+    return out
+
+
+def _record_lists(data: dict) -> list[tuple[str, list[dict]]]:
+    """The lists of uniform records (one row per configuration) under `data`."""
+    return [(key, value) for key, value in data.items() if key not in SKIP and isinstance(value, list) and value
+            and all(isinstance(v, dict) for v in value)]
+
+
+def generic(data: dict) -> str:
+    parts = []
+    for key, records in _record_lists(data):
+        columns = [k for k, v in records[0].items() if isinstance(v, (int, float, str, bool)) or v is None]
+        parts.append(f"`{key}`:\n\n" + _table(columns, [[_fmt(r.get(c), c) for c in columns] for r in records]))
+    rows = [[f"`{k}`", _fmt(v, k)] for k, v in _scalars(data)]
+    if rows:
+        parts.append(_table(["figure", "value"], rows))
+    return "\n\n".join(parts)
+
+
+def deepspeed_save(data: dict) -> str:
+    """One column per ZeRO stage, the rows and labels the benchmark itself prints (its ROWS)."""
+    rows_spec = _module_constant(HERE / "deepspeed_save.py", "ROWS")
+    stages = list(data["stages"])
+    rows = []
+    for key, label in rows_spec:
+        values = [data["stages"][s].get(key) for s in stages]
+        if all(v is None for v in values):
+            continue
+        rows.append([label.strip(), *(_fmt(v, key) for v in values)])
+    skipped = sorted({why for s in stages for why in data["stages"][s].get("skipped", {}).values()})
+    notes = "".join(f"\n\nNot measured in this run: {why}" for why in skipped)
+    return (f"{data['params'] / 1e6:.1f}M parameters fp32 + AdamW, {data['ranks']} ranks, medians of "
+            f"{data['repeats']}, slowest rank.\n\n" + _table(["", *(f"ZeRO-{s}" for s in stages)], rows) + notes)
+
+
+def _module_constant(path: Path, name: str):
+    """A literal constant of a benchmark script, read without importing it (it imports torch)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{path.name} has no constant {name}")
+
+
+RENDERERS = {"deepspeed_save": deepspeed_save}
+
+
+def _purpose(name: str) -> str:
+    """The first paragraph of the benchmark script's docstring: what it measures, in its own words."""
+    doc = ast.get_docstring(ast.parse((HERE / f"{name}.py").read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def render_page() -> str:
+    results = load()
+    if not results:
+        return "No result files in `benchmarks/results/` yet."
+    parts = []
+    for name, data in results.items():
+        body = RENDERERS.get(name, generic)(data)
+        parts.append(f"## `{name}`\n\n{_purpose(name)}\n\nMeasured on: {where(data)}.\n\n{body}")
+    return "\n\n".join(parts)
+
+
+def readme_block() -> str:
+    """The headline figures for the README, each with the machine it was measured on."""
+    results = load()
+    lines = []
+    ds = results.get("deepspeed_save")
+    if ds:
+        for s, st in ds["stages"].items():
+            if st.get("inmem_blocking_s") is not None and st.get("torch_engine_s") is not None:
+                line = (f"- DeepSpeed ZeRO-{s}, {ds['params'] / 1e6:.0f}M parameters + AdamW, {ds['ranks']} ranks: "
+                        f"training blocked {_fmt(st['inmem_blocking_s'], '_s')} per snapshot, against "
+                        f"{_fmt(st['torch_engine_s'], '_s')} for `save_checkpoint` to local disk")
+                if st.get("dcp_async_save_s") is not None:
+                    line += f" and {_fmt(st['dcp_async_save_s'], '_s')} for DCP `async_save`"
+                if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
+                    line += (f"; restore {_fmt(st['restore_s'], '_s')} against "
+                             f"{_fmt(st['disk_load_s'], '_s')} for `load_checkpoint`")
+                lines.append(line + " ¹")
+    mg = results.get("megatron_save")
+    if mg:
+        lines.append(f"- Megatron-Core (TP=2): training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
+                     f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
+                     f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
+    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save") if n in results]
+    lines += [""] + [f"{'¹²'[i]} {where(d)}." for i, (_, d) in enumerate(notes)]
+    return "\n".join(lines).strip()
+
+
+def rewrite_readme(text: str) -> str:
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{readme_block()}\n{END}{tail}"
+
+
+GENERATORS = {"benchmarks": render_page}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--readme", action="store_true", help="rewrite README.md's benchmark-figures block")
+    p.add_argument("--check", action="store_true", help="exit 1 if README.md's block is out of date")
+    args = p.parse_args()
+    if args.readme or args.check:
+        text = README.read_text()
+        new = rewrite_readme(text)
+        if args.check:
+            if new != text:
+                print("README.md's benchmark figures differ from benchmarks/results/: run "
+                      "python benchmarks/render.py --readme", file=sys.stderr)
+                return 1
+            return 0
+        README.write_text(new)
+        return 0
+    print(render_page())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
