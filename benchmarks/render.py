@@ -18,7 +18,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
-BEGIN, END = "<!-- BEGIN benchmark-figures -->", "<!-- END benchmark-figures -->"
+FIGURES = ("<!-- BEGIN benchmark-figures -->", "<!-- END benchmark-figures -->")
+HEADLINE = ("<!-- BEGIN benchmark-headline -->", "<!-- END benchmark-headline -->")
 
 
 def load() -> dict[str, dict]:
@@ -164,10 +165,32 @@ def readme_block() -> str:
     return "\n".join(lines).strip()
 
 
+def readme_headline() -> str:
+    """One line for the README's first screen: the DeepSpeed snapshot and restore of the highest ZeRO stage
+    measured, and where."""
+    ds = load().get("deepspeed_save")
+    if not ds:
+        return "not measured yet"
+    stage, st = list(ds["stages"].items())[-1]
+    m = ds["meta"]["machine"]
+    parts = [f"training blocked {_fmt(st['inmem_blocking_s'], '_s')} per snapshot"]
+    if st.get("torch_engine_s") is not None:
+        parts[0] += f" (DeepSpeed `save_checkpoint`: {_fmt(st['torch_engine_s'], '_s')})"
+    if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
+        parts.append(f"restore {_fmt(st['restore_s'], '_s')} (`load_checkpoint`: {_fmt(st['disk_load_s'], '_s')})")
+    return (", ".join(parts) + f"; ZeRO-{stage}, {ds['params'] / 1e6:.0f}M parameters, {m['cores']}-core CPU, "
+            f"[{ds['meta']['date'][:10]}](#what-it-costs)")
+
+
+def _replace(text: str, markers: tuple[str, str], body: str, sep: str) -> str:
+    head, rest = text.split(markers[0], 1)
+    _, tail = rest.split(markers[1], 1)
+    return f"{head}{markers[0]}{sep}{body}{sep}{markers[1]}{tail}"
+
+
 def rewrite_readme(text: str) -> str:
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{readme_block()}\n{END}{tail}"
+    text = _replace(text, HEADLINE, readme_headline(), "")
+    return _replace(text, FIGURES, readme_block(), "\n")
 
 
 GENERATORS = {"benchmarks": render_page}
