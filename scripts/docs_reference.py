@@ -67,12 +67,25 @@ def config_block() -> str:
         text = docs.get(f.name, "").removeprefix("SMP-side: ")
         if f.name in snapshot_fields and f.name not in field_docs(config_py, "InmemFTBlock"):
             text += " (see `SnapshotConfig`)" if not text else ""
-        rows.append([f"`{f.name}`", f"`{_type_name(f.type)}`", f"`{_json(f.default)}`", side, text])
-    return _table(["key", "type", "default", "read by", "meaning"], rows)
+        rows.append([f"`{f.name}`", _unit(f.name, str(f.type)), f"`{_json(f.default)}`", side, text])
+    return _table(["key", "value (unit)", "default", "read by", "meaning"], rows)
 
 
-def _type_name(annotation: object) -> str:
-    return str(annotation).replace("typing.", "")
+def _unit(name: str, annotation: str) -> str:
+    """What a key's value is, from its name, its type and the choices config.py validates against."""
+    from inmem_ft import config
+
+    choices = {"on_error": config.ON_ERROR, "reshard": config.RESHARD}
+    if name in choices:
+        return " | ".join(f"`{c}`" for c in choices[name])
+    if name.endswith("_s"):
+        return "number (seconds)"
+    if "bool" in annotation:
+        return "`true` | `false`"
+    if "int | str" in annotation:
+        return "size (bytes, or a string such as `64GiB`)"
+    kind = "integer" if annotation.startswith("int") else "string"
+    return kind + (" or `null`" if "None" in annotation else "")
 
 
 def _json(value: object) -> str:
@@ -89,7 +102,7 @@ def _value(action: argparse.Action) -> str:
     if action.nargs == 0:
         return "flag"
     if action.choices:
-        return " \\| ".join(f"`{c}`" for c in action.choices)
+        return " | ".join(f"`{c}`" for c in action.choices)
     if action.metavar:
         return f"`{action.metavar}`"
     kind = getattr(action.type, "__name__", None)
