@@ -32,7 +32,7 @@ def load() -> dict[str, dict]:
     return out
 
 
-def where(data: dict) -> str:
+def where(data: dict, link: bool = False) -> str:
     m = data["meta"]
     machine = m["machine"]
     load_avg = machine["load_average"]
@@ -40,7 +40,8 @@ def where(data: dict) -> str:
     if machine.get("gpu"):
         box += f", {machine['gpu']}"
     return (f"{box}; load average {load_avg[0]} at the start, {load_avg[1]} at the end; {m['date'][:10]}, "
-            f"commit `{m['commit']}`; `{m['command']}` ([result file]({data['_file']}))")
+            f"commit `{m['commit']}`; `{m['command']}`; "
+            + (f"[result file]({data['_file']})" if link else f"result file `{data['_file']}`"))
 
 
 def _fmt(value: object, key: str = "") -> str:
@@ -103,7 +104,9 @@ def deepspeed_save(data: dict) -> str:
         values = [data["stages"][s].get(key) for s in stages]
         if all(v is None for v in values):
             continue
-        rows.append([label.strip(), *(_fmt(v, key) for v in values)])
+        # --quick amortises the every-step cost instead of timing a 10-step window: say so beside the figure.
+        rows.append([label.strip(), *(_fmt(v, key) + (" (estimated)" if data["stages"][s].get(f"{key}_estimated")
+                                                       else "") for v, s in zip(values, stages))])
     skipped = sorted({why for s in stages for why in data["stages"][s].get("skipped", {}).values()})
     notes = "".join(f"\n\nNot measured in this run: {why}" for why in skipped)
     return (f"{data['params'] / 1e6:.1f}M parameters fp32 + AdamW, {data['ranks']} ranks, medians of "
@@ -161,7 +164,7 @@ def readme_block() -> str:
                      f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
                      f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
     notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save") if n in results]
-    lines += [""] + [f"{'¹²'[i]} {where(d)}." for i, (_, d) in enumerate(notes)]
+    lines += [""] + [f"{'¹²'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
     return "\n".join(lines).strip()
 
 
@@ -179,7 +182,7 @@ def readme_headline() -> str:
     if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
         parts.append(f"restore {_fmt(st['restore_s'], '_s')} (`load_checkpoint`: {_fmt(st['disk_load_s'], '_s')})")
     return (", ".join(parts) + f"; ZeRO-{stage}, {ds['params'] / 1e6:.0f}M parameters, {m['cores']}-core CPU, "
-            f"[{ds['meta']['date'][:10]}](#what-it-costs)")
+            f"measured {ds['meta']['date'][:10]} ([details](#what-it-costs))")
 
 
 def _replace(text: str, markers: tuple[str, str], body: str, sep: str) -> str:
