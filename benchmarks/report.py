@@ -120,7 +120,7 @@ def commit() -> str | None:
         return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout.strip()
     try:
         head = git("rev-parse", "--short=12", "HEAD")
-        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "inmem_ft", "benchmarks") else "")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "inmem_ft", "benchmarks", ":!benchmarks/render.py", ":!benchmarks/results") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
