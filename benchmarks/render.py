@@ -64,34 +64,33 @@ SKIP = {"meta", "_file", "args", "runs", "rounds", "config", "machine", "skipped
         "dlrover_losses_after", "torch_engine_tag"}
 
 
-def _scalars(data: dict, prefix: str = "") -> list[tuple[str, object]]:
-    """(dotted key, value) of every number, flag or short string under `data`, depth first."""
-    out = []
+def _walk(data: dict, prefix: str = ""):
+    """(dotted key, value) of every figure under `data`, depth first: numbers, flags, short strings and short
+    lists of them as values, lists of uniform records (one row per configuration) as tables."""
     for key, value in data.items():
         if key in SKIP:
             continue
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out += _scalars(value, name + ".")
+            yield from _walk(value, name + ".")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            yield name, value
+        elif isinstance(value, list) and 0 < len(value) <= 8 and all(isinstance(v, (int, float)) for v in value):
+            yield name, ", ".join(_fmt(v, key) for v in value)
         elif isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) < 80):
-            out.append((name, value))
-    return out
-
-
-def _record_lists(data: dict) -> list[tuple[str, list[dict]]]:
-    """The lists of uniform records (one row per configuration) under `data`."""
-    return [(key, value) for key, value in data.items() if key not in SKIP and isinstance(value, list) and value
-            and all(isinstance(v, dict) for v in value)]
+            yield name, value
 
 
 def generic(data: dict) -> str:
-    parts = []
-    for key, records in _record_lists(data):
-        columns = [k for k, v in records[0].items() if isinstance(v, (int, float, str, bool)) or v is None]
-        parts.append(f"`{key}`:\n\n" + _table(columns, [[_fmt(r.get(c), c) for c in columns] for r in records]))
-    rows = [[f"`{k}`", _fmt(v, k)] for k, v in _scalars(data)]
+    parts, rows = [], []
+    for key, value in _walk(data):
+        if isinstance(value, list):
+            columns = [k for k, v in value[0].items() if isinstance(v, (int, float, str, bool)) or v is None]
+            parts.append(f"`{key}`:\n\n" + _table(columns, [[_fmt(r.get(c), c) for c in columns] for r in value]))
+        else:
+            rows.append([f"`{key}`", _fmt(value, key)])
     if rows:
-        parts.append(_table(["figure", "value"], rows))
+        parts.insert(0, _table(["figure", "value"], rows))
     return "\n\n".join(parts)
 
 

@@ -72,8 +72,19 @@ def table(title: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[
                       for line in [[head for head, _ in columns]] + cells]
 
 
+def _relative(value):
+    """Paths inside the repository as repository-relative ones: a result file names no machine's folders."""
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relative(v) for v in value]
+    if isinstance(value, str) and value.startswith(REPO + os.sep):
+        return os.path.relpath(value, REPO)
+    return value
+
+
 def write(results: dict, json_path: str | None, plot=None, plot_path: str | None = None) -> None:
-    results["meta"] = meta()
+    results.update(_relative(results), meta=meta())
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
