@@ -44,9 +44,16 @@ def where(data: dict, link: bool = False) -> str:
             + (f"[result file]({data['_file']})" if link else f"result file `{data['_file']}`"))
 
 
+def _is_bytes(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return ("bytes" in name or name.startswith(("peak_", "idle_"))) and "_over_" not in name
+
+
 def _fmt(value: object, key: str = "") -> str:
     if isinstance(value, bool) or value is None:
         return {None: "—", True: "yes", False: "no"}[value]
+    if isinstance(value, int) and _is_bytes(key) and value >= 2**20:
+        return f"{value / 2**20:.1f} MiB"
     if isinstance(value, float):
         if key.endswith("_s"):
             return f"{value:.3f} s" if value >= 0.001 else f"{value * 1e6:.0f} µs"
@@ -159,7 +166,9 @@ def readme_block() -> str:
                 lines.append(line + " ¹")
     mg = results.get("megatron_save")
     if mg:
-        lines.append(f"- Megatron-Core (TP=2): training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
+        model = mg.get("model", {})
+        lines.append(f"- Megatron-Core, TP={model.get('tp')}, {model.get('layers')} layers x {model.get('hidden')}: "
+                     f"training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
                      f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
                      f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
     notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save") if n in results]
