@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -136,14 +138,31 @@ def _purpose(name: str) -> str:
     return " ".join(doc.split("\n\n")[0].split())
 
 
-def render_page() -> str:
+PLOTS = "benchmarks"  # the folder of the docs site the plots are generated into (scripts/mkdocs_hooks.py)
+
+
+def plots() -> dict[str, bytes]:
+    """{docs path: PNG} of every result file, drawn by its benchmark's own plot() from the result alone."""
+    sys.path.insert(0, str(HERE))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in load().items():
+            module = importlib.import_module(name)
+            png = Path(tmp) / f"{name}.png"
+            module.plot({k: v for k, v in data.items() if k != "_file"}, str(png))
+            out[f"{PLOTS}/{name}.png"] = png.read_bytes()
+    return out
+
+
+def render_page(with_plots: bool = True) -> str:
     results = load()
     if not results:
         return "No result files in `benchmarks/results/` yet."
     parts = []
     for name, data in results.items():
         body = RENDERERS.get(name, generic)(data)
-        parts.append(f"## `{name}`\n\n{_purpose(name)}\n\nMeasured on: {where(data)}.\n\n{body}")
+        picture = f"![{name}]({PLOTS}/{name}.png)\n\n" if with_plots else ""
+        parts.append(f"## `{name}`\n\n{_purpose(name)}\n\nMeasured on: {where(data)}.\n\n{picture}{body}")
     return "\n\n".join(parts)
 
 
@@ -223,7 +242,7 @@ def main() -> int:
             return 0
         README.write_text(new)
         return 0
-    print(render_page())
+    print(render_page(with_plots=False))
     return 0
 
 
