@@ -20,8 +20,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
-FIGURES = ("<!-- BEGIN benchmark-figures -->", "<!-- END benchmark-figures -->")
-HEADLINE = ("<!-- BEGIN benchmark-headline -->", "<!-- END benchmark-headline -->")
+# README.md's blocks this script writes: <!-- BEGIN name --> ... <!-- END name -->.
+FIGURES, HEADLINE, VERSUS_DCP = "benchmark-figures", "benchmark-headline", "benchmark-vs-dcp"
 
 
 def load() -> dict[str, dict]:
@@ -212,14 +212,28 @@ def readme_headline() -> str:
             f"measured {ds['meta']['date'][:10]} ([details](#what-it-costs))")
 
 
-def _replace(text: str, markers: tuple[str, str], body: str, sep: str) -> str:
-    head, rest = text.split(markers[0], 1)
-    _, tail = rest.split(markers[1], 1)
-    return f"{head}{markers[0]}{sep}{body}{sep}{markers[1]}{tail}"
+def readme_versus_dcp() -> str:
+    """The comparison table's DCP cell: our blocking time over DCP async_save's, per stage, side by side in one
+    run."""
+    ds = load().get("deepspeed_save")
+    ratios = [(s, st["inmem_blocking_s"] / st["dcp_async_save_s"]) for s, st in (ds or {}).get("stages", {}).items()
+              if st.get("inmem_blocking_s") is not None and st.get("dcp_async_save_s")]
+    if not ratios:
+        return "not measured yet"
+    return ("training blocked per snapshot " + ", ".join(f"{r:.3f}× its `async_save` call (ZeRO-{s})" for s, r in ratios)
+            + f", {ds['meta']['machine']['cores']}-core CPU")
+
+
+def _replace(text: str, name: str, body: str, sep: str) -> str:
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}{sep}{body}{sep}{end}{tail}"
 
 
 def rewrite_readme(text: str) -> str:
     text = _replace(text, HEADLINE, readme_headline(), "")
+    text = _replace(text, VERSUS_DCP, readme_versus_dcp(), "")
     return _replace(text, FIGURES, readme_block(), "\n")
 
 
