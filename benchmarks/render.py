@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
 # README.md's blocks this script writes: <!-- BEGIN name --> ... <!-- END name -->.
-FIGURES, HEADLINE, VERSUS_DCP = "benchmark-figures", "benchmark-headline", "benchmark-vs-dcp"
+FIGURES, HEADLINE = "benchmark-figures", "benchmark-headline"
+VERSUS_DCP, VERSUS_DLROVER = "benchmark-vs-dcp", "benchmark-vs-dlrover"
 
 
 def load() -> dict[str, dict]:
@@ -224,6 +225,21 @@ def readme_versus_dcp() -> str:
             + f", {ds['meta']['machine']['cores']}-core CPU")
 
 
+def readme_versus_dlrover() -> str:
+    """The comparison table's DLRover cell: our restore and blocking time over DLRover Flash Checkpoint's, per
+    stage, measured side by side in one run of deepspeed_save (with DLRover installed)."""
+    ds = load().get("deepspeed_save")
+    stages = [(s, st) for s, st in (ds or {}).get("stages", {}).items() if st.get("restore_vs_dlrover") is not None]
+    if not stages:
+        return "not in the kept result files"
+    version = stages[0][1].get("dlrover_version", "")
+    restore = ", ".join(f"{st['restore_vs_dlrover']:.2f}× (ZeRO-{s})" for s, st in stages)
+    blocked = ", ".join(f"{st['ratio_vs_dlrover_memory']:.2f}× (ZeRO-{s})" for s, st in stages
+                        if st.get("ratio_vs_dlrover_memory") is not None)
+    return (f"DLRover {version}: restore {restore} its restore from memory; training blocked per snapshot "
+            f"{blocked} its memory save; {ds['meta']['machine']['cores']}-core CPU")
+
+
 def _replace(text: str, name: str, body: str, sep: str) -> str:
     begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
     head, rest = text.split(begin, 1)
@@ -234,6 +250,7 @@ def _replace(text: str, name: str, body: str, sep: str) -> str:
 def rewrite_readme(text: str) -> str:
     text = _replace(text, HEADLINE, readme_headline(), "")
     text = _replace(text, VERSUS_DCP, readme_versus_dcp(), "")
+    text = _replace(text, VERSUS_DLROVER, readme_versus_dlrover(), "")
     return _replace(text, FIGURES, readme_block(), "\n")
 
 
