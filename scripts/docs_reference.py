@@ -217,7 +217,16 @@ def events() -> str:
     return _table(["event", "logged by"], rows)
 
 
-GENERATORS = {"config-block": config_block, "megatron-args": megatron_args, "cli": cli, "smp-module": smp_module,
+def compat() -> str:
+    """The framework releases the adapters accept (inmem_ft/compat.py) and the extra that installs each."""
+    from inmem_ft.compat import TESTED
+
+    names = {"deepspeed": ("DeepSpeed", "deepspeed"), "megatron-core": ("Megatron-Core", "megatron")}
+    rows = [[names[d][0], f"`{spec}`", f"`inmem-ft[{names[d][1]}]`"] for d, spec in TESTED.items()]
+    return _table(["framework", "tested releases", "extra"], rows)
+
+
+GENERATORS = {"compat": compat, "config-block": config_block, "megatron-args": megatron_args, "cli": cli, "smp-module": smp_module,
               "env-vars": env_vars, "events": events}
 
 
