@@ -47,3 +47,17 @@ def test_readme_figures_are_the_result_files():
 
     text = (REPO / "README.md").read_text()
     assert render.rewrite_readme(text) == text, "README.md's figures are stale: python benchmarks/render.py --readme"
+
+
+def test_the_generated_reference_covers_the_code():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import docs_reference
+    from inmem_ft.config import InmemFTBlock
+
+    tables = {name: generate() for name, generate in docs_reference.GENERATORS.items()}
+    for key in InmemFTBlock.__dataclass_fields__:
+        assert f"`{key}`" in tables["config-block"], key
+    for option in ("--inmem-ft-interval", "--memory-budget", "--persist-dir", "--metrics-port"):
+        assert f"`{option}`" in tables["megatron-args"] + tables["smp-module"], option
+    assert "### `inmem-ft smp start`" in tables["cli"] and "### `inmem-ft export`" in tables["cli"]
+    assert "`event=commit`" in tables["events"] and "`INMEM_FT_JOB`" in tables["env-vars"]
