@@ -103,7 +103,7 @@ def setup_worker():
     torch.set_num_threads(1)
     import deepspeed
     import deepspeed.ops
-    # Not needed for training, and a cold JIT build costs 70-120 s (docs/deepspeed-checkpoint-flow.md, 8).
+    # Not needed for training, and a cold JIT build costs 70-120 s (docs/design.md).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # DeepSpeed's data-parallel writer config (Fast/Decoupled engines) reads the launcher's node variables.
     os.environ.setdefault("CROSS_RANK", os.environ.get("GROUP_RANK", "0"))

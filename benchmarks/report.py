@@ -1,12 +1,20 @@
-"""What every benchmark does with its results: JSON for machines, a PNG for people; and the progress lines
-that keep a run of several minutes from going silent."""
+"""What every benchmark does with its results: JSON for machines (with where, when, on which commit and by
+which command it was measured, so benchmarks/render.py can say so beside every figure), a PNG for people; and
+the progress lines that keep a run of several minutes from going silent."""
+import datetime
 import json
 import os
 import platform
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The load when the benchmark started: on a shared machine it says more about a figure than the core count.
+_LOAD_AT_START = os.getloadavg()[0]
 
 # Workers run under a SimulatedCluster with their output in a log file; rank 0 prefixes its progress lines
 # with this, and the parent echoes them while it waits.
@@ -64,7 +72,19 @@ def table(title: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[
                       for line in [[head for head, _ in columns]] + cells]
 
 
+def _relative(value):
+    """Paths inside the repository as repository-relative ones: a result file names no machine's folders."""
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relative(v) for v in value]
+    if isinstance(value, str) and value.startswith(REPO + os.sep):
+        return os.path.relpath(value, REPO)
+    return value
+
+
 def write(results: dict, json_path: str | None, plot=None, plot_path: str | None = None) -> None:
+    results.update(_relative(results), meta=meta())
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
@@ -89,4 +109,54 @@ def alternating(modes, repeat: int, run, label=lambda mode: mode) -> dict:
 
 
 def machine() -> str:
-    return f"{platform.node()}: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+
+
+def meta() -> dict:
+    """Where, when and how the figures were measured: the machine (no host name), the UTC date, the commit
+    (`-dirty` when the work tree had changes) and the command line, relative to the repository."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+    return {"benchmark": os.path.splitext(os.path.basename(script))[0],
+            "command": shlex.join(["python", script, *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": _COMMIT_AT_START,
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": round(memory_bytes() / 2**30),
+                        "gpu": gpu_name(), "load_average": [round(_LOAD_AT_START, 1), round(os.getloadavg()[0], 1)],
+                        "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}"}}
+
+
+def commit() -> str | None:
+    """HEAD, with `-dirty` when the code measured (inmem_ft/, benchmarks/) differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", "inmem_ft", "benchmarks", ":!benchmarks/render.py", ":!benchmarks/results") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def gpu_name() -> str | None:
+    """The GPU, if the benchmark itself imported torch and one is there (never imports torch for this)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+_COMMIT_AT_START = commit()  # the code that ran, not what the tree holds when the run ends

@@ -12,7 +12,7 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import ConfigError
 
-# Distribution name -> the releases tested (docs/deepspeed-checkpoint-flow.md, shared/MEGATRON.md).
+# Distribution name -> the releases tested (docs/design.md).
 TESTED = {
     "deepspeed": ">=0.19.8,<0.20",
     "megatron-core": ">=0.19.2,<0.20",

@@ -111,6 +111,7 @@ class InmemFTBlock:
     `inmem-ft smp start --group-size/--parity` and `inmem-ft survival -G/-m`."""
 
     enabled: bool = True
+    """false: the adapter leaves the engine as it is (no snapshots, no restore)."""
     interval: int = 100
     """Snapshot every this many optimizer steps."""
     job: str | None = None

@@ -1,4 +1,4 @@
-"""Records what DeepSpeed hands its checkpoint engine, to re-check docs/deepspeed-checkpoint-flow.md on a new version.
+"""Records what DeepSpeed hands its checkpoint engine, to re-check docs/design.md ("How the DeepSpeed adapter hooks DeepSpeed") on a new version.
 
 Runs the harness with `ProbeCheckpoint` as backend and writes, per rank, `probe.rank<r>.json`:
 - every CheckpointEngine call of save_checkpoint, in order (create/makedirs/save/commit) with its path,

@@ -1,5 +1,5 @@
 """Issue 14: inmem_ft/launch_scripts/slurm_inmem.sbatch submitted to a real SLURM (tests/slurm_cluster.py: one controller and
-two slurmd "nodes" n0/n1 on this host) exactly as the README shows, with the DeepSpeed GPT example on
+two slurmd "nodes" n0/n1 on this host) exactly as docs/launch.md shows, with the DeepSpeed GPT example on
 2 nodes x 2 ranks, one SMP per node started by the script: a clean run, a rank killed, a lost and
 replaced node, a requeue, a preemption."""
 import json

@@ -4,7 +4,7 @@
     handle = inmem_ft.integrations.deepspeed.install(engine, extra_state=lambda: {"position": stream.position})
 
 engine.save_checkpoint / load_checkpoint keep working and go to the SMP (load from memory when it holds
-the tag, else from disk). See handle.py for the flow and docs/deepspeed-checkpoint-flow.md for DeepSpeed.
+the tag, else from disk). See handle.py for the flow and docs/design.md for DeepSpeed.
 """
 from .handle import Handle, Restored, install
 
@@ -25,7 +25,7 @@ def initialize(*args, **kwargs):
 
 def disable_cpu_shm_comm() -> None:
     """On CPU, keep DeepSpeed from JIT-compiling deepspeed_shm_comm (70-120 s), which training never uses
-    (docs/deepspeed-checkpoint-flow.md, section 8). Call before deepspeed.initialize/init_distributed."""
+    (docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"). Call before deepspeed.initialize/init_distributed."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cpu":

@@ -1,7 +1,7 @@
 """A DeepSpeed CheckpointEngine whose files are entries of an inmem_ft snapshot.
 
 DeepSpeed's own save_checkpoint/load_checkpoint keep deciding which rank writes and reads which file
-(docs/deepspeed-checkpoint-flow.md, section 0); this engine only translates: save() collects the dicts,
+(docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"); this engine only translates: save() collects the dicts,
 commit() hands them to the owner (which takes the snapshot), load() serves a file from the restored
 snapshot, or from disk with torch.load(weights_only=True).
 """

@@ -1,5 +1,5 @@
-"""The non-plain classes DeepSpeed 0.19.8 puts into checkpoint dicts (docs/deepspeed-checkpoint-flow.md,
-section 3.4), allowed both in snapshots and in torch.load(weights_only=True) of stock files."""
+"""The non-plain classes DeepSpeed 0.19.8 puts into checkpoint dicts (tests/ds_state_probe.py lists them for a
+new release), allowed both in snapshots and in torch.load(weights_only=True) of stock files."""
 from __future__ import annotations
 
 import contextlib

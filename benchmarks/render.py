@@ -1,0 +1,281 @@
+"""Renders the benchmark figures of the docs and the README from the result files in benchmarks/results/, so
+that no figure is typed by hand and each says where, when, on which commit and by which command it was measured
+(the `meta` every benchmark's JSON carries, report.meta).
+
+    python benchmarks/render.py            # the docs' benchmark page, as markdown, on stdout
+    python benchmarks/render.py --readme   # rewrite README.md's block between the benchmark-figures markers
+    python benchmarks/render.py --check    # exit 1 when README.md's block is not what the results say
+
+The docs build calls render_page() through scripts/mkdocs_hooks.py."""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+# README.md's blocks this script writes: <!-- BEGIN name --> ... <!-- END name -->.
+FIGURES, HEADLINE = "benchmark-figures", "benchmark-headline"
+VERSUS_DCP, VERSUS_DLROVER = "benchmark-vs-dcp", "benchmark-vs-dlrover"
+
+
+def load() -> dict[str, dict]:
+    """{benchmark name: results} of every result file that carries its meta."""
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "meta" in data:
+            out[data["meta"]["benchmark"]] = {**data, "_file": f"benchmarks/results/{path.name}"}
+    return out
+
+
+def where(data: dict, link: bool = False) -> str:
+    m = data["meta"]
+    machine = m["machine"]
+    load_avg = machine["load_average"]
+    box = f"{machine['cores']}-core {machine['cpu']} CPU, {machine['memory_gib']} GiB"
+    if machine.get("gpu"):
+        box += f", {machine['gpu']}"
+    return (f"{box}; load average {load_avg[0]} at the start, {load_avg[1]} at the end; {m['date'][:10]}, "
+            f"commit `{m['commit']}`; `{m['command']}`; "
+            + (f"[result file]({data['_file']})" if link else f"result file `{data['_file']}`"))
+
+
+def _is_bytes(key: str) -> bool:
+    name = key.rsplit(".", 1)[-1]
+    return ("bytes" in name or name.startswith(("peak_", "idle_"))) and "_over_" not in name
+
+
+def _fmt(value: object, key: str = "") -> str:
+    if isinstance(value, bool) or value is None:
+        return {None: "—", True: "yes", False: "no"}[value]
+    if isinstance(value, int) and _is_bytes(key) and value >= 2**20:
+        return f"{value / 2**20:.1f} MiB"
+    if isinstance(value, float):
+        if key.endswith("_s"):
+            return f"{value:.3f} s" if value >= 0.001 else f"{value * 1e6:.0f} µs"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows])
+
+
+# Keys that are bookkeeping, not figures.
+SKIP = {"meta", "_file", "args", "runs", "rounds", "config", "machine", "skipped", "restore_runs", "disk_load_runs",
+        "dlrover_losses_after", "torch_engine_tag"}
+
+
+def _walk(data: dict, prefix: str = ""):
+    """(dotted key, value) of every figure under `data`, depth first: numbers, flags, short strings and short
+    lists of them as values, lists of uniform records (one row per configuration) as tables."""
+    for key, value in data.items():
+        if key in SKIP or key.endswith("digest"):  # a digest says "same state", which its own flag says
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _walk(value, name + ".")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            yield name, value
+        elif isinstance(value, list) and 0 < len(value) <= 8 and all(isinstance(v, (int, float)) for v in value):
+            yield name, ", ".join(_fmt(v, key) for v in value)
+        elif isinstance(value, (int, float, bool)) or (isinstance(value, str) and len(value) < 80):
+            yield name, value
+
+
+def generic(data: dict) -> str:
+    parts, rows = [], []
+    for key, value in _walk(data):
+        if isinstance(value, list):
+            columns = [k for k, v in value[0].items() if isinstance(v, (int, float, str, bool)) or v is None]
+            parts.append(f"`{key}`:\n\n" + _table(columns, [[_fmt(r.get(c), c) for c in columns] for r in value]))
+        else:
+            rows.append([f"`{key}`", _fmt(value, key)])
+    if rows:
+        parts.insert(0, _table(["figure", "value"], rows))
+    return "\n\n".join(parts)
+
+
+def deepspeed_save(data: dict) -> str:
+    """One column per ZeRO stage, the rows and labels the benchmark itself prints (its ROWS)."""
+    rows_spec = _module_constant(HERE / "deepspeed_save.py", "ROWS")
+    stages = list(data["stages"])
+    rows = []
+    for key, label in rows_spec:
+        values = [data["stages"][s].get(key) for s in stages]
+        if all(v is None for v in values):
+            continue
+        # --quick amortises the every-step cost instead of timing a 10-step window: say so beside the figure.
+        rows.append([label.strip(), *(_fmt(v, key) + (" (estimated)" if data["stages"][s].get(f"{key}_estimated")
+                                                       else "") for v, s in zip(values, stages))])
+    skipped = sorted({why for s in stages for why in data["stages"][s].get("skipped", {}).values()})
+    notes = "".join(f"\n\nNot measured in this run: {why}" for why in skipped)
+    return (f"{data['params'] / 1e6:.1f}M parameters fp32 + AdamW, {data['ranks']} ranks, medians of "
+            f"{data['repeats']}, slowest rank.\n\n" + _table(["", *(f"ZeRO-{s}" for s in stages)], rows) + notes)
+
+
+def _module_constant(path: Path, name: str):
+    """A literal constant of a benchmark script, read without importing it (it imports torch)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{path.name} has no constant {name}")
+
+
+RENDERERS = {"deepspeed_save": deepspeed_save}
+
+
+def _purpose(name: str) -> str:
+    """The first paragraph of the benchmark script's docstring: what it measures, in its own words."""
+    doc = ast.get_docstring(ast.parse((HERE / f"{name}.py").read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+PLOTS = "benchmarks"  # the folder of the docs site the plots are generated into (scripts/mkdocs_hooks.py)
+
+
+def plots() -> dict[str, bytes]:
+    """{docs path: PNG} of every result file, drawn by its benchmark's own plot() from the result alone."""
+    sys.path.insert(0, str(HERE))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in load().items():
+            module = importlib.import_module(name)
+            png = Path(tmp) / f"{name}.png"
+            module.plot({k: v for k, v in data.items() if k != "_file"}, str(png))
+            out[f"{PLOTS}/{name}.png"] = png.read_bytes()
+    return out
+
+
+def render_page(with_plots: bool = True) -> str:
+    results = load()
+    if not results:
+        return "No result files in `benchmarks/results/` yet."
+    parts = []
+    for name, data in results.items():
+        body = RENDERERS.get(name, generic)(data)
+        picture = f"![{name}]({PLOTS}/{name}.png)\n\n" if with_plots else ""
+        parts.append(f"## `{name}`\n\n{_purpose(name)}\n\nMeasured on: {where(data)}.\n\n{picture}{body}")
+    return "\n\n".join(parts)
+
+
+def readme_block() -> str:
+    """The headline figures for the README, each with the machine it was measured on."""
+    results = load()
+    lines = []
+    ds = results.get("deepspeed_save")
+    if ds:
+        for s, st in ds["stages"].items():
+            if st.get("inmem_blocking_s") is not None and st.get("torch_engine_s") is not None:
+                line = (f"- DeepSpeed ZeRO-{s}, {ds['params'] / 1e6:.0f}M parameters + AdamW, {ds['ranks']} ranks: "
+                        f"training blocked {_fmt(st['inmem_blocking_s'], '_s')} per snapshot, against "
+                        f"{_fmt(st['torch_engine_s'], '_s')} for `save_checkpoint` to local disk")
+                if st.get("dcp_async_save_s") is not None:
+                    line += f" and {_fmt(st['dcp_async_save_s'], '_s')} for DCP `async_save`"
+                if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
+                    line += (f"; restore {_fmt(st['restore_s'], '_s')} against "
+                             f"{_fmt(st['disk_load_s'], '_s')} for `load_checkpoint`")
+                lines.append(line + " ¹")
+    mg = results.get("megatron_save")
+    if mg:
+        model = mg.get("model", {})
+        lines.append(f"- Megatron-Core, TP={model.get('tp')}, {model.get('layers')} layers x {model.get('hidden')}: "
+                     f"training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
+                     f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
+                     f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
+    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save") if n in results]
+    lines += [""] + [f"{'¹²'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
+    return "\n".join(lines).strip()
+
+
+def readme_headline() -> str:
+    """One line for the README's first screen: the DeepSpeed snapshot and restore of the highest ZeRO stage
+    measured, and where."""
+    ds = load().get("deepspeed_save")
+    if not ds:
+        return "not measured yet"
+    stage, st = list(ds["stages"].items())[-1]
+    m = ds["meta"]["machine"]
+    parts = [f"training blocked {_fmt(st['inmem_blocking_s'], '_s')} per snapshot"]
+    if st.get("torch_engine_s") is not None:
+        parts[0] += f" (DeepSpeed `save_checkpoint`: {_fmt(st['torch_engine_s'], '_s')})"
+    if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
+        parts.append(f"restore {_fmt(st['restore_s'], '_s')} (`load_checkpoint`: {_fmt(st['disk_load_s'], '_s')})")
+    return (", ".join(parts) + f"; ZeRO-{stage}, {ds['params'] / 1e6:.0f}M parameters, {m['cores']}-core CPU, "
+            f"measured {ds['meta']['date'][:10]} ([details](#what-it-costs))")
+
+
+def readme_versus_dcp() -> str:
+    """The comparison table's DCP cell: our blocking time over DCP async_save's, per stage, side by side in one
+    run."""
+    ds = load().get("deepspeed_save")
+    ratios = [(s, st["inmem_blocking_s"] / st["dcp_async_save_s"]) for s, st in (ds or {}).get("stages", {}).items()
+              if st.get("inmem_blocking_s") is not None and st.get("dcp_async_save_s")]
+    if not ratios:
+        return "not measured yet"
+    return ("training blocked per snapshot " + ", ".join(f"{r:.3f}× its `async_save` call (ZeRO-{s})" for s, r in ratios)
+            + f", {ds['meta']['machine']['cores']}-core CPU")
+
+
+def readme_versus_dlrover() -> str:
+    """The comparison table's DLRover cell: our restore and blocking time over DLRover Flash Checkpoint's, per
+    stage, measured side by side in one run of deepspeed_save (with DLRover installed)."""
+    ds = load().get("deepspeed_save")
+    stages = [(s, st) for s, st in (ds or {}).get("stages", {}).items() if st.get("restore_vs_dlrover") is not None]
+    if not stages:
+        return "not in the kept result files"
+    version = stages[0][1].get("dlrover_version", "")
+    restore = ", ".join(f"{st['restore_vs_dlrover']:.2f}× (ZeRO-{s})" for s, st in stages)
+    blocked = ", ".join(f"{st['ratio_vs_dlrover_memory']:.2f}× (ZeRO-{s})" for s, st in stages
+                        if st.get("ratio_vs_dlrover_memory") is not None)
+    return (f"DLRover {version}: restore {restore} its restore from memory; training blocked per snapshot "
+            f"{blocked} its memory save; {ds['meta']['machine']['cores']}-core CPU")
+
+
+def _replace(text: str, name: str, body: str, sep: str) -> str:
+    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}{sep}{body}{sep}{end}{tail}"
+
+
+def rewrite_readme(text: str) -> str:
+    text = _replace(text, HEADLINE, readme_headline(), "")
+    text = _replace(text, VERSUS_DCP, readme_versus_dcp(), "")
+    text = _replace(text, VERSUS_DLROVER, readme_versus_dlrover(), "")
+    return _replace(text, FIGURES, readme_block(), "\n")
+
+
+GENERATORS = {"benchmarks": render_page}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--readme", action="store_true", help="rewrite README.md's benchmark-figures block")
+    p.add_argument("--check", action="store_true", help="exit 1 if README.md's block is out of date")
+    args = p.parse_args()
+    if args.readme or args.check:
+        text = README.read_text()
+        new = rewrite_readme(text)
+        if args.check:
+            if new != text:
+                print("README.md's benchmark figures differ from benchmarks/results/: run "
+                      "python benchmarks/render.py --readme", file=sys.stderr)
+                return 1
+            return 0
+        README.write_text(new)
+        return 0
+    print(render_page(with_plots=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Every INMEM_FT_* environment variable inmem_ft or its launch scripts read or set: one registry, rendered into
+the configuration reference (docs/reference.md) at docs build time; tests/test_envvars.py fails when the code
+uses a variable this list lacks, or this list keeps one the code no longer uses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    read_by: str
+    """Who reads it: a Python entry point, or the launch script that reads it."""
+    default: str
+    unit: str
+    text: str
+    internal: bool = False
+    """Set by inmem_ft itself for its own processes; listed so that nobody wonders, not to be set by hand."""
+
+
+VARIABLES: tuple[EnvVar, ...] = (
+    # Trainer side (SnapshotConfig.from_env, the adapters) and the CLI defaults.
+    EnvVar("INMEM_FT_JOB", "trainers, `inmem-ft`, launch scripts", "`default`; `torchrun_inmem.sh`: `$SLURM_JOB_ID`; `slurm_inmem.sbatch`: `inmemft-<SLURM job id>`",
+           "name: 1-64 of `[A-Za-z0-9_-]`",
+           "Job id: names the SMP socket and the shared-memory segments; the same on every node and across "
+           "re-queues of one job."),
+    EnvVar("INMEM_FT_NODE", "trainers, `inmem-ft`", "`$GROUP_RANK`, else `$SLURM_NODEID`, else `0`", "index from 0",
+           "This node's index: picks the local SMP."),
+    EnvVar("INMEM_FT_SMP_SOCKET", "trainers, `inmem-ft`", "`<runtime dir>/<job>/node<node>.sock`", "path",
+           "The local SMP's control socket."),
+    EnvVar("INMEM_FT_RUNTIME_DIR", "trainers, `inmem-ft`, launch scripts",
+           "`$XDG_RUNTIME_DIR/inmem_ft`, else `/tmp/inmem_ft-<uid>`", "directory",
+           "Where SMP sockets and logs go; the SMP log is `<dir>/<job>/node<N>.log`."),
+    EnvVar("INMEM_FT_SHM_DIR", "SMP, trainers", "`/dev/shm`", "directory (a tmpfs)",
+           "Where the segment namespace `inmemft-<uid>/` is created; every process of a node must see the "
+           "same value."),
+    EnvVar("INMEM_FT_START_FRESH", "trainers", "unset", "`1` or unset",
+           "Train from scratch when the SMPs hold snapshots of a completed step that cannot be restored on every "
+           "rank (default: fail with `NoUsableSnapshot`, keeping them). Same as `\"start_fresh\": true`."),
+    EnvVar("INMEM_FT_ALLOW_UNTESTED", "DeepSpeed and Megatron adapters", "unset", "`1` or unset",
+           "Run a DeepSpeed or megatron-core release outside the tested range, with a warning (default: refused "
+           "at `install()`). Same as `\"allow_untested\": true`."),
+    EnvVar("INMEM_FT_SECRET", "SMP, launch scripts", "unset", "string, at least 16 bytes",
+           "The per-job SMP-to-SMP secret itself (needed with `--peers`); put in the SMP's environment only."),
+    EnvVar("INMEM_FT_SECRET_FILE", "launch scripts", "unset", "path of a mode-0600 file",
+           "The per-job secret as a file; `torchrun_inmem.sh` passes it to the SMP as `--secret-file`. Give "
+           "either this or `INMEM_FT_SECRET`."),
+    EnvVar("INMEM_FT_PERSIST_DIR", "`inmem-ft smp start`", "unset: no disk tier", "directory",
+           "The disk tier's directory (`--persist-dir`)."),
+    EnvVar("INMEM_FT_SPILL_DIR", "`inmem-ft smp start`, launch scripts", "unset: no disk tier", "directory",
+           "The same directory under its older name: read when `INMEM_FT_PERSIST_DIR` is unset. Size it for one "
+           "snapshot per rank of the node."),
+    EnvVar("INMEM_FT_LOSS_LOG", "examples, `inmem_ft.telemetry`", "unset: no loss log", "path (JSON lines)",
+           "Rank 0 appends `(step, loss)` here; `inmem-ft launch` and the tests compare runs with it."),
+    EnvVar("INMEM_FT_DEMO_DIR", "`make demo` (`python -m inmem_ft.demo`)", "`out/demo`", "directory",
+           "Where the demo keeps its logs and `timeline.json`."),
+    # torchrun_inmem.sh
+    EnvVar("INMEM_FT_MEMORY_BUDGET", "launch scripts", "required; `slurm_inmem.sbatch`: `64GiB`", "size, e.g. `64GiB`",
+           "Shared memory this node's SMP may use (`--memory-budget`)."),
+    EnvVar("INMEM_FT_SMP_ARGS", "`torchrun_inmem.sh`", "empty", "arguments, split on whitespace",
+           "Extra arguments for `inmem-ft smp start`, e.g. `--parity 1 --nodes 4 --peers 0=node0:7100,...`."),
+    EnvVar("INMEM_FT_MAX_RESTARTS", "`torchrun_inmem.sh`", "`3`", "count", "torchrun `--max-restarts`."),
+    EnvVar("INMEM_FT_RDZV_BACKEND", "`torchrun_inmem.sh`", "`c10d`", "`c10d` or `static`",
+           "torchrun's rendezvous. c10d orders nodes by `--local-addr`; static keeps `RANK = NODE_RANK x "
+           "NPROC_PER_NODE + LOCAL_RANK`."),
+    EnvVar("INMEM_FT_LOCAL_ADDR", "`torchrun_inmem.sh`", "unset", "address",
+           "This node's address for torchrun (`--local-addr`); c10d orders the nodes by it."),
+    EnvVar("INMEM_FT_WIPE_ON_EXIT", "`torchrun_inmem.sh`", "`finished`", "`finished`, `1` or `0`",
+           "When to delete this node's snapshots from shared memory as the job ends: when torchrun exits 0 "
+           "with no signal, always (after the SIGTERM flush), or never."),
+    # slurm_inmem.sbatch
+    EnvVar("INMEM_FT_PARITY", "`slurm_inmem.sbatch`", "unset: no erasure coding", "nodes (m)",
+           "Erasure-code across the allocation's nodes: the script builds `--parity`, `--nodes` and `--peers`."),
+    EnvVar("INMEM_FT_PEER_PORT", "`slurm_inmem.sbatch`", "`7100`", "TCP port",
+           "Node i's SMP listens for its peers on this port + i."),
+    EnvVar("INMEM_FT_STEP_WAIT", "`slurm_inmem.sbatch`", "`300`", "seconds",
+           "How long `srun` may wait for SLURM to create the job step."),
+    EnvVar("INMEM_FT_LAUNCH_SCRIPT", "`slurm_inmem.sbatch`", "found through `$PYTHON`", "path",
+           "The `torchrun_inmem.sh` to run on every node."),
+    EnvVar("INMEM_FT_NODE_ORDER", "`slurm_inmem.sbatch`", "set by the script", "`name=addr` list",
+           "The allocation's nodes in torchrun's order; each node's task finds its `NODE_RANK` in it.",
+           internal=True),
+    # Set by `inmem-ft launch` (the simulated cluster) for the processes it starts.
+    EnvVar("INMEM_FT_ATTEMPT", "`inmem-ft launch` workers", "set by the launcher", "count from 1",
+           "Which attempt (restart) of the job a rank belongs to.", internal=True),
+    EnvVar("INMEM_FT_HEARTBEAT_DIR", "`inmem-ft launch` workers", "set by the launcher", "directory",
+           "Where each rank's heartbeat file goes (hang detection).", internal=True),
+    EnvVar("INMEM_FT_WORKER_RECORD", "`inmem-ft launch` workers", "set by the launcher", "path",
+           "Where a worker records its start (time lost per failure).", internal=True),
+)
