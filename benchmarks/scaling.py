@@ -419,9 +419,16 @@ def plot(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ax = axes[0][0]
-    if res.get("size"):
+    # One panel per section the run measured (--only runs some).
+    sections = [name for name in ("size", "tensors", "ranks", "protect", "nodes") if res.get(name)]
+    rows = 1 if len(sections) <= 2 else 2
+    cols = -(-len(sections) // rows)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax in list(axes.flat)[len(sections):]:
+        ax.set_visible(False)
+    panel = dict(zip(sections, axes.flat))
+    if "size" in panel:
+        ax = panel["size"]
         x = [r["bytes"] / GIB for r in res["size"]]
         for key, label in (("blocking_s", "blocking"), ("commit_s", "commit"), ("floor_s", "floor (torch.cat)")):
             ax.plot(x, [r[key] for r in res["size"]], marker="o", label=label)
@@ -431,8 +438,8 @@ def plot(res: dict, path: str) -> None:
         ax.set_ylabel("seconds per snapshot")
         ax.set_title("state size")
         ax.legend()
-    ax = axes[0][1]
-    if res.get("tensors"):
+    if "tensors" in panel:
+        ax = panel["tensors"]
         for kind, style in (("flat", "-"), ("adam", "--")):
             rows = [r for r in res["tensors"] if r["kind"] == kind]
             x = [r["tensors"] for r in rows]
@@ -447,8 +454,8 @@ def plot(res: dict, path: str) -> None:
         ax.set_xlabel("tensors (64 MiB in all)")
         ax.set_title("tensor count")
         ax.legend(fontsize=7)
-    ax = axes[1][0]
-    if res.get("ranks"):
+    if "ranks" in panel:
+        ax = panel["ranks"]
         x = [r["ranks"] for r in res["ranks"]]
         ax.plot(x, [r["blocking_s"] for r in res["ranks"]], marker="o", label="blocking (slowest rank)")
         ax.plot(x, [r["commit_s"] for r in res["ranks"]], marker="s", label="commit (slowest rank)")
@@ -457,14 +464,23 @@ def plot(res: dict, path: str) -> None:
         ax.set_ylabel("seconds per snapshot")
         ax.set_title("ranks per node")
         ax.legend()
-    ax = axes[1][1]
-    if res.get("protect"):
+    if "protect" in panel:
+        ax = panel["protect"]
         for m in sorted({r["m"] for r in res["protect"]}):
             rows = [r for r in res["protect"] if r["m"] == m]
             ax.plot([r["nodes"] for r in rows], [r["protect_s"] for r in rows], marker="o", label=f"m = {m}")
         ax.set_xlabel(f"EC group size G ({res['protect'][0]['node_bytes'] // MIB} MiB per node)")
         ax.set_ylabel("commit -> protected (s)")
         ax.set_title("erasure-coding groups")
+        ax.legend()
+    if "nodes" in panel:
+        ax = panel["nodes"]
+        x = [r["nodes"] for r in res["nodes"]]
+        for key in ("commit_s", "protect_s", "restore_s", "rebuild_s"):
+            ax.plot(x, [r[key] for r in res["nodes"]], marker="o", label=key[:-2])
+        ax.set_xlabel(f"nodes, one SMP each, EC groups of 2 ({res['nodes'][0]['node_bytes'] // MIB} MiB per node)")
+        ax.set_ylabel("seconds")
+        ax.set_title("nodes in the job")
         ax.legend()
     fig.suptitle(f"inmem_ft scaling, {res['machine']['cores']} cores")
     fig.tight_layout()

@@ -166,3 +166,17 @@ def test_memory_per_node_counts_two_slots_and_two_parity_sets():
 def test_costs_refuse_negative_values():
     with pytest.raises(ValueError, match="cost restart s must be a number >= 0"):
         Costs(restart_s=-1)
+
+
+def test_the_built_in_costs_are_the_kept_result_files():
+    """Every measured default is what the result files in benchmarks/results/ say (docs/planning.md renders
+    them from there), so that a re-run benchmark and the planner's defaults cannot drift apart silently."""
+    from pathlib import Path
+
+    from inmem_ft.planning import inputs
+
+    repo = Path(__file__).resolve().parent.parent
+    measured = inputs.costs_from_results([str(repo / path) for path in inputs.KEPT_RESULTS])
+    for name, source in measured.sources.items():
+        assert getattr(Costs(), name) == pytest.approx(getattr(measured, name), rel=0.005, abs=1e-4), (name, source)
+    assert set(measured.sources) >= {name for name, text in inputs.SOURCES.items() if "benchmarks/results/" in text}

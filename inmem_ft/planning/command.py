@@ -173,13 +173,18 @@ def _failures(args, preset: bool) -> FailureModel:
     return FailureModel(rate, correlated_nodes=args.correlated_nodes or 2, **shares)
 
 
+def make(args) -> tuple[planning.Plan, dict]:
+    """The plan the arguments ask for and its inmem_ft block; a bad input is a ConfigError."""
+    cluster, job, failures, costs = resolve(args)
+    targets = planning.Targets(args.target_beyond_m, args.rebuild_share, args.max_disk_age, args.seeds)
+    result = planning.make_plan(cluster, job, failures, costs, targets, disk_interval_s=args.disk_interval_s)
+    return result, planning.config_block(result, args.persist_dir)
+
+
 def run(args, error) -> int:
     """`error(message)` ends the command with one line and exit code 2 (argparse's parser.error)."""
     try:
-        cluster, job, failures, costs = resolve(args)
-        targets = planning.Targets(args.target_beyond_m, args.rebuild_share, args.max_disk_age, args.seeds)
-        result = planning.make_plan(cluster, job, failures, costs, targets, disk_interval_s=args.disk_interval_s)
-        block = planning.config_block(result, args.persist_dir)
+        result, block = make(args)
     except ConfigError as e:
         error(str(e))
     if args.json:
@@ -188,7 +193,7 @@ def run(args, error) -> int:
         print(report(result, block))
     if args.plot:
         try:
-            draw(result, args.plot, args.disk_interval_s)
+            draw(curves(result, args.disk_interval_s), args.plot)
         except ImportError:
             error("--plot needs matplotlib (pip install matplotlib)")
         if not args.json:
@@ -258,16 +263,12 @@ def report(p: planning.Plan, block: dict) -> str:
     return "\n".join(lines)
 
 
-def draw(p: planning.Plan, path: str, disk_interval_s: float | None) -> None:
-    """Effective training time vs nodes for the three strategies, everything else as in this plan."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def curves(p: planning.Plan, disk_interval_s: float | None) -> dict:
+    """Effective training time (%) vs nodes for the three strategies, everything else as in this plan: the same
+    model and state per rank (more or fewer data-parallel replicas) on more or fewer nodes; with what `draw`
+    needs to label them."""
     from dataclasses import replace
 
-    # The same model and state per rank (more data-parallel replicas) on more or fewer nodes.
     sizes = sorted(set(n for n in PLOT_NODES if n <= 4 * p.cluster.nodes) | {p.cluster.nodes})
     series: dict[str, list[float]] = {}
     for n in sizes:
@@ -276,16 +277,28 @@ def draw(p: planning.Plan, path: str, disk_interval_s: float | None) -> None:
                                  disk_interval_s=disk_interval_s)
         for s, r in zip(sub.strategies, sub.results):
             series.setdefault(s.name.split(" (")[0], []).append(r.effective * 100)
+    return {"nodes": sizes, "effective_pct": series, "at_nodes": p.cluster.nodes,
+            "gpus_per_node": p.cluster.gpus_per_node,
+            "title": f"{p.job.bytes_per_rank / GB:.2f} GB per rank, one failure per node every "
+                     f"{p.failures.node_mtbf_hours:,.0f} h, restart {p.restart.restart_s:g} s"}
+
+
+def draw(data: dict, path: str) -> None:
+    """The PNG of `curves`' result (what --plot writes, and benchmarks/plan_projection.py's plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 4.5))
     # Replication and EC often coincide (they differ in memory): dashed on top, so both show.
-    for (name, values), style in zip(series.items(), ("-o", "-s", "--^")):
-        ax.plot(sizes, values, style, label=name)
-    ax.axvline(p.cluster.nodes, color="#999", linestyle=":")
+    for (name, values), style in zip(data["effective_pct"].items(), ("-o", "-s", "--^")):
+        ax.plot(data["nodes"], values, style, label=name)
+    ax.axvline(data["at_nodes"], color="#999", linestyle=":")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"nodes ({p.cluster.gpus_per_node} GPUs each)")
+    ax.set_xlabel(f"nodes ({data['gpus_per_node']} GPUs each)")
     ax.set_ylabel("effective training time (%)")
-    ax.set_title(f"{p.job.bytes_per_rank / GB:.2f} GB per rank, one failure per node every "
-                 f"{p.failures.node_mtbf_hours:,.0f} h, restart {p.restart.restart_s:g} s")
+    ax.set_title(data["title"])
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
