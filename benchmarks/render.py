@@ -26,12 +26,13 @@ VERSUS_DCP, VERSUS_DLROVER = "benchmark-vs-dcp", "benchmark-vs-dlrover"
 
 
 def load() -> dict[str, dict]:
-    """{benchmark name: results} of every result file that carries its meta."""
+    """{result file's name without .json: results} of every result file that carries its meta (one benchmark
+    may keep several, e.g. scaling.py's sections run apart)."""
     out = {}
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
         if "meta" in data:
-            out[data["meta"]["benchmark"]] = {**data, "_file": f"benchmarks/results/{path.name}"}
+            out[path.stem] = {**data, "_file": f"benchmarks/results/{path.name}"}
     return out
 
 
@@ -130,7 +131,115 @@ def _module_constant(path: Path, name: str):
     raise KeyError(f"{path.name} has no constant {name}")
 
 
-RENDERERS = {"deepspeed_save": deepspeed_save}
+# ---- docs/planning.md: what `inmem-ft plan` projects (plan_projection.json) and the costs it starts from ----
+
+def _projection() -> dict:
+    return load()["plan_projection"]
+
+
+def _pct(share: float) -> str:
+    return f"{share:.2%}"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _strategies(plan: dict) -> str:
+    """The three strategies of one plan side by side."""
+    shm = {0: _gib(plan["memory"]["shm"]), 1: "-", 2: _gib(plan["memory"]["replication"])}
+    rows = []
+    for i, s in enumerate(plan["strategies"]):
+        rest = sorted(((v, k) for k, v in s["accounts"].items() if k != "useful" and v > 0), reverse=True)[:4]
+        rows.append([s["strategy"], f"**{_pct(s['effective'])}**" if i == 0 else _pct(s["effective"]),
+                     f"{_pct(s['low'])}-{_pct(s['high'])}", f"{s['interval_s']:.0f} s",
+                     f"{s['lost_per_failure_s']:.0f} s", shm[i], ", ".join(f"{k} {_pct(v)}" for v, k in rest)])
+    return _table(["strategy", "effective training time", "5th-95th percentile", "interval", "lost per failure",
+                   "`/dev/shm` per node", "where most of the rest went"], rows)
+
+
+def plan_llama3() -> str:
+    """The recommendation for Llama 3 405B on 16,384 GPUs, why, and what it buys."""
+    data = _projection()
+    p, inp = data["llama3"], data["llama3"]["inputs"]
+    costs, mem, job = p["costs_s"], p["memory"], inp["job"]
+    node = job["bytes_per_rank"] * inp["cluster"]["gpus_per_node"]
+    g, m = p["group_size"], p["parity"]
+    young_daly = (2 * p["strategies"][0]["blocking_s"] * p["job_mtbf_s"]) ** 0.5
+    persist = p["persist_every_steps"] // p["interval_steps"]
+    lines = [
+        f"`{p['command']}` ({job['bytes_per_rank'] / 1e9:.2f} GB per rank, {node / 1e9:.1f} GB per node; "
+        f"{data['seeds']} seeded runs of {job['duration_days']} days per strategy):",
+        "",
+        f"- interval {p['interval_steps']} steps ({p['interval_s']:.1f} s): Young/Daly gives {young_daly:.0f} s for "
+        f"a blocking copy of {costs['blocking']:.3f} s and a job MTBF of {p['job_mtbf_s']:,.0f} s; protecting a "
+        f"snapshot takes {costs['protect']:.1f} s at this size; the interval is the first whole number of steps "
+        f"above the longer of the two;",
+        f"- G={g}, m={m} (parity {m / (g - m):.0%} of a node's snapshot); more than m lost nodes in a group "
+        f"expected {p['beyond_m_per_run']:.2g} times in the run; a rebuild takes {costs['rebuild']:.0f} s against "
+        f"a {p['restart_s']:g}-s restart;",
+        f"- persist_every_steps {p['persist_every_steps']} ({persist} snapshots, "
+        f"{persist * p['interval_s'] / 60:.0f} min); all nodes flush in {costs['flush']:.1f} s at "
+        f"{inp['cluster']['storage_gbps'] / 1000:g} TB/s;",
+        f"- memory per node: {_gib(mem['shm'])} of `/dev/shm` ({_gib(mem['slots'])} of slots + {_gib(mem['parity'])} "
+        f"of parity), `memory_budget` {p['inmem_ft']['memory_budget']}; {_gib(mem['staging'])} of pinned staging.",
+        "", _strategies(p), "", f"Projected on: {where(data)}."]
+    return "\n".join(lines)
+
+
+def plan_sensitivity() -> str:
+    """Effective training time of the three strategies as the restart time of the job moves."""
+    data = _projection()
+    rows = [[f"{r['restart_s']} s", f"{r['group_size']}, {r['parity']}", *map(_pct, r["effective"].values())]
+            for r in data["restart_sensitivity"]]
+    names = list(data["restart_sensitivity"][0]["effective"])
+    return (_table(["restart R", "G, m chosen", *names], rows)
+            + f"\n\nProjected on: {where(data)}.")
+
+
+def plan_per_replica() -> str:
+    """The plan when every data-parallel replica snapshots its own copy of the weights."""
+    data = _projection()
+    p, gpus = data["weights_per_replica"], data["llama3"]["inputs"]["cluster"]["gpus_per_node"]
+    ours, disk = p["strategies"][0], p["strategies"][1]
+    return (f"`{p['command']}`: {p['bytes_per_rank'] / 1e9:.2f} GB per rank, {p['bytes_per_rank'] * gpus / 1e9:.0f} GB "
+            f"per node; protecting a snapshot takes {p['costs_s']['protect']:.0f} s at the measured rate, and the "
+            f"plan gives {_pct(ours['effective'])} for in-memory snapshots (G={p['group_size']}, m={p['parity']}) "
+            f"against {_pct(disk['effective'])} for disk checkpoints. Projected on: {where(data)}.")
+
+
+def plan_inputs() -> str:
+    """The built-in inputs of `inmem-ft plan` and where each comes from, as the projection used them."""
+    data = _projection()
+    inp = data["llama3"]["inputs"]
+    rows = [[f"`{name}`", f"{c['value']:.4g}", c["source"]] for name, c in inp["costs"].items()]
+    model = inp["model"]
+    rows += [["storage bandwidth", f"{inp['cluster']['storage_gbps']:,.0f} GB/s", "Llama 3: Tectonic, \"2 TB/s sustained\""],
+             ["Llama 3 405B layout and step", f"TP {model['tp']}, PP {model['pp']}, DP {model['dp']}; "
+              f"{model['step_s']} s", "Llama 3 Table 4; 6 x 405e9 x 16M tokens / (16,384 x 400 TFLOPs)"]]
+    return _table(["input", "default", "source"], rows) + f"\n\nAs used by: {where(data)}."
+
+
+def scaling_nodes() -> str:
+    """benchmarks/scaling.py's nodes section: the per-node costs the planner's defaults come from."""
+    data = load()["scaling_nodes"]
+    keys = ("commit_s", "protect_s", "restore_s", "rebuild_s", "commit_cpu_s", "protect_cpu_s", "restore_cpu_s")
+    rows = [[r["nodes"], *(f"{r[k]:.3f}" for k in keys)] for r in data["nodes"]]
+    slope = data["nodes_slope"]
+    return (f"EC groups of 2 (m=1), {data['nodes'][0]['node_bytes'] // 2**20} MiB per node, one measurement per node "
+            "count:\n\n" + _table(["nodes", "commit s", "protect s", "restore s", "rebuild s", "SMP CPU s: commit",
+                                    "protect", "restore"], rows)
+            + "\n\nSMP CPU seconds added per node (least squares): "
+            + ", ".join(f"{k.split('_')[0]} {slope[f'{k}_per_node'] * 1000:+.2f} ms" for k in keys[4:])
+            + f".\n\nMeasured on: {where(data)}.")
+
+
+def plan_projection(data: dict) -> str:
+    """The benchmarks page's section: the plan's three strategies and the restart sweep."""
+    return _strategies(data["llama3"]) + "\n\n" + plan_sensitivity().split("\n\nProjected on:")[0]
+
+
+RENDERERS = {"deepspeed_save": deepspeed_save, "plan_projection": plan_projection}
 
 
 def _purpose(name: str) -> str:
@@ -148,7 +257,7 @@ def plots() -> dict[str, bytes]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, data in load().items():
-            module = importlib.import_module(name)
+            module = importlib.import_module(data["meta"]["benchmark"])
             png = Path(tmp) / f"{name}.png"
             module.plot({k: v for k, v in data.items() if k != "_file"}, str(png))
             out[f"{PLOTS}/{name}.png"] = png.read_bytes()
@@ -163,7 +272,8 @@ def render_page(with_plots: bool = True) -> str:
     for name, data in results.items():
         body = RENDERERS.get(name, generic)(data)
         picture = f"![{name}]({PLOTS}/{name}.png)\n\n" if with_plots else ""
-        parts.append(f"## `{name}`\n\n{_purpose(name)}\n\nMeasured on: {where(data)}.\n\n{picture}{body}")
+        parts.append(f"## `{name}`\n\n{_purpose(data['meta']['benchmark'])}\n\nMeasured on: {where(data)}.\n\n"
+                     f"{picture}{body}")
     return "\n\n".join(parts)
 
 
@@ -254,7 +364,8 @@ def rewrite_readme(text: str) -> str:
     return _replace(text, FIGURES, readme_block(), "\n")
 
 
-GENERATORS = {"benchmarks": render_page}
+GENERATORS = {"benchmarks": render_page, "plan-llama3": plan_llama3, "plan-sensitivity": plan_sensitivity,
+              "plan-per-replica": plan_per_replica, "plan-inputs": plan_inputs, "scaling-nodes": scaling_nodes}
 
 
 def main() -> int:
