@@ -18,9 +18,7 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
 
         version = deepspeed.__version__
     compat.check("deepspeed", version, allow_untested, without=_WITHOUT)
-    if getattr(engine, "pipeline_parallelism", False):
-        raise ConfigError(f"inmem_ft: pipeline parallelism (a PipelineModule / PipelineEngine) is not supported; "
-                          f"train without pipeline stages, or {_WITHOUT}")
+    check_model_parallel(engine)
     if getattr(engine, "has_moe_layers", False):
         raise ConfigError(f"inmem_ft: mixture-of-experts layers (expert-parallel state) are not supported; "
                           f"{_WITHOUT}")
@@ -29,3 +27,23 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
         if device not in (None, "none"):
             raise ConfigError(f"inmem_ft: ZeRO {what} offload to {device} is not supported; remove "
                               f"zero_optimization.offload_{'param' if what == 'parameter' else what}, or {_WITHOUT}")
+
+
+def check_model_parallel(engine) -> None:
+    """Pipeline stages through a PipelineModule with ZeRO-0/1 are handled (pipeline.py); tensor parallelism
+    through an `mpu`, and pipeline stages an `mpu` declares without a PipelineModule, are refused by name."""
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+
+    pipeline = getattr(engine, "pipeline_parallelism", False)
+    mpu = getattr(engine, "mpu", None)
+    tp = bwc_tensor_model_parallel_world_size(mpu)
+    if tp > 1:
+        raise ConfigError(f"inmem_ft: tensor (model) parallelism through an mpu is not supported (tensor-parallel "
+                          f"size {tp}); train with tensor-parallel size 1, or {_WITHOUT}")
+    if not pipeline and bwc_pipeline_parallel_world_size(mpu) > 1:
+        raise ConfigError(f"inmem_ft: pipeline stages declared by an mpu without a PipelineModule are not "
+                          f"supported; build the model as a deepspeed.pipe.PipelineModule, or {_WITHOUT}")
+    stage = int(engine.zero_optimization_stage())
+    if pipeline and stage > 1:
+        raise ConfigError(f"inmem_ft: a PipelineModule is supported with ZeRO-0 and ZeRO-1 (what DeepSpeed "
+                          f"supports under a pipeline), not ZeRO-{stage}; set zero_optimization.stage to 0 or 1")

@@ -1,0 +1,90 @@
+"""Issue 30, item 1: DeepSpeed's pipeline engine (PipelineModule, ZeRO-0/1) protected by inmem_ft, on CPU/gloo
+with real SMPs: a tied embedding/LM head on the first and last stage, dropout on every stage, a data iterator
+with a position. kill -9 a rank, restart, resume from memory with the losses of the uninterrupted run bit for
+bit; the shard map keys every parameter by its layer index, whichever stage holds it."""
+import os
+
+import pytest
+
+from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp.client import SMPClient
+from inmem_ft.snapshot import catalog
+from inmem_ft.telemetry import read_losses
+from inmem_ft.universal.assemble import keys
+
+STEPS, INTERVAL = 10, 2
+ENV = {"DS_ACCELERATOR": "cpu"}
+# The example's layers (2 blocks): the tied token embedding, positions, 2 blocks, the final norm, the tied head.
+BLOCK = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
+         "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"]
+WEIGHTS = {"layer_00.weight", "layer_01.pos.weight", *(f"layer_{i:02d}.{n}" for i in (2, 3) for n in BLOCK),
+           "layer_04.weight", "layer_04.bias"}
+
+
+def example(pp, stage, dtype="fp32", *extra):
+    return [str(a) for a in ["-m", "inmem_ft.examples.deepspeed_pipe", "--pp", pp, "--zero-stage", stage,
+                             "--dtype", dtype, "--steps", STEPS, "--interval", INTERVAL, *extra]]
+
+
+def run_ok(cluster, argv):
+    attempt = cluster.run(argv)
+    assert attempt.ok, cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:]
+    return attempt
+
+
+def reference(nodes, per_node, pp, stage, dtype, tmp_path_factory):
+    """The uninterrupted run's losses (its own job, runtime directory and SMPs)."""
+    tmp = tmp_path_factory.mktemp(f"ref{pp}{stage}{dtype}")
+    old = os.environ.get("INMEM_FT_RUNTIME_DIR")
+    os.environ["INMEM_FT_RUNTIME_DIR"] = str(tmp / "run")
+    try:
+        with SimulatedCluster(nodes, per_node, f"ref{pp}{stage}{os.getpid()}", 256 << 20, str(tmp / "logs"),
+                              env=ENV) as c:
+            run_ok(c, example(pp, stage, dtype, "--loss-log", tmp / "loss.jsonl"))
+    finally:
+        if old is None:
+            del os.environ["INMEM_FT_RUNTIME_DIR"]
+        else:
+            os.environ["INMEM_FT_RUNTIME_DIR"] = old
+    losses = read_losses(tmp / "loss.jsonl")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def crash_and_resume(cluster, runtime, ref, pp, stage, dtype, die_rank):
+    """Killed after step 7 (snapshots at 2, 4, 6): the restart resumes at step 7, bit-identical."""
+    before = runtime / "before.jsonl"
+    attempt = cluster.run(example(pp, stage, dtype, "--loss-log", before, "--die-at", 7, "--die-rank", die_rank))
+    assert not attempt.ok and attempt.returncodes[die_rank] == -9
+    assert read_losses(before) == {s: ref[s] for s in range(1, 8)}
+    resumed = runtime / "resumed.jsonl"
+    attempt = run_ok(cluster, example(pp, stage, dtype, "--loss-log", resumed))
+    for rank in range(cluster.world_size):
+        assert "step=6 source=memory" in cluster.rank_log(attempt.number, rank)
+    assert read_losses(resumed) == {s: ref[s] for s in range(7, STEPS + 1)}  # bit-identical
+    return attempt
+
+
+def shard_keys(cluster, step):
+    """The global keys of the job's snapshot of `step`, after checking every one is covered exactly once by
+    main fragments."""
+    client = SMPClient(cluster.socket_path(0))
+    try:
+        listing = client.catalog()
+        table = catalog.fragments(listing["entries"], step)
+        catalog.check(table)
+        return {k for k in keys(table) if not k.startswith("_")}
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("stage", [1])
+def test_pp2_kill_and_resume_bit_identical_and_keys_by_layer(job, runtime, tmp_path_factory, stage):
+    """PP2 x DP1 on two nodes: the last stage (holding the LM head, tied to the first stage's embedding) is
+    killed; the shard map names the tied weight once, at its first layer, with one main copy."""
+    ref = reference(2, 1, 2, stage, "fp32", tmp_path_factory)
+    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        crash_and_resume(cluster, runtime, ref, 2, stage, "fp32", die_rank=1)
+        got = shard_keys(cluster, STEPS)
+    optimizer = {f"optimizer.state.{kind}.{k}" for kind in ("fp32_param", "exp_avg", "exp_avg_sq") for k in WEIGHTS}
+    assert got == WEIGHTS | optimizer
