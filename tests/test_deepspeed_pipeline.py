@@ -88,3 +88,16 @@ def test_pp2_kill_and_resume_bit_identical_and_keys_by_layer(job, runtime, tmp_p
         got = shard_keys(cluster, STEPS)
     optimizer = {f"optimizer.state.{kind}.{k}" for kind in ("fp32_param", "exp_avg", "exp_avg_sq") for k in WEIGHTS}
     assert got == WEIGHTS | optimizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (0, "fp32"), (1, "bf16")])
+def test_pp2_dp2_kill_and_resume_bit_identical(job, runtime, tmp_path_factory, stage, dtype):
+    """PP2 x DP2 on two nodes of two ranks (node 1 holds the last stage): DP replicas split their stage's
+    weights and model states, ZeRO-1 its optimizer; a rank of the last stage is killed."""
+    ref = reference(2, 2, 2, stage, dtype, tmp_path_factory)
+    with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        crash_and_resume(cluster, runtime, ref, 2, stage, dtype, die_rank=3)
+        got = shard_keys(cluster, STEPS)
+    kinds = ("exp_avg", "exp_avg_sq") + (("fp32_param",) if stage else ())  # ZeRO-0 fp32 steps the weights
+    assert got == WEIGHTS | {f"optimizer.state.{kind}.{k}" for kind in kinds for k in WEIGHTS}
