@@ -43,17 +43,16 @@ def check_model_parallel(engine) -> None:
     if not pipeline and bwc_pipeline_parallel_world_size(mpu) > 1:
         raise ConfigError(f"inmem_ft: pipeline stages declared by an mpu without a PipelineModule are not "
                           f"supported; build the model as a deepspeed.pipe.PipelineModule, or {_WITHOUT}")
-    if not pipeline:
-        return
-    stage = int(engine.zero_optimization_stage())
-    if stage > 1:
-        raise ConfigError(f"inmem_ft: a PipelineModule is supported with ZeRO-0 and ZeRO-1 (what DeepSpeed "
-                          f"supports under a pipeline), not ZeRO-{stage}; set zero_optimization.stage to 0 or 1")
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-
-    if stage == 0 and isinstance(engine.optimizer, BF16_Optimizer):
+    if pipeline and int(engine.zero_optimization_stage()) == 0 and _bf16_optimizer(engine):
         # ZeRO-0 saves this optimizer's DP-partitioned state inside the model states, which the DP replicas
-        # share in a snapshot: it would restore one replica's partition on all of them.
+        # share in a snapshot: it would restore one replica's partition on all of them. (DeepSpeed itself
+        # refuses ZeRO-2/3 under a pipeline.)
         raise ConfigError("inmem_ft: bf16 under a PipelineModule with ZeRO-0 (DeepSpeed's BF16_Optimizer, which "
                           "partitions the optimizer across data-parallel ranks) is not supported; set "
                           "zero_optimization.stage to 1")
+
+
+def _bf16_optimizer(engine) -> bool:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(engine.optimizer, BF16_Optimizer)
