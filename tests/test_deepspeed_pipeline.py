@@ -101,3 +101,30 @@ def test_pp2_dp2_kill_and_resume_bit_identical(job, runtime, tmp_path_factory, s
         got = shard_keys(cluster, STEPS)
     kinds = ("exp_avg", "exp_avg_sq") + (("fp32_param",) if stage else ())  # ZeRO-0 fp32 steps the weights
     assert got == WEIGHTS | {f"optimizer.state.{kind}.{k}" for kind in kinds for k in WEIGHTS}
+
+
+@pytest.mark.slow
+def test_pp2_dp2_lost_node_rebuilt_from_parity_resumes_bit_identical(job, runtime, monkeypatch):
+    """PP2 x DP2 on four one-rank nodes with one parity share: after step 9 the node of the last stage's second
+    replica is lost (trainer and SMP killed, memory wiped) and replaced by an empty SMP, which rebuilds its
+    snapshot from the group; the restart resumes from it and repeats the crashed run's steps bit for bit."""
+    from test_ec_resume import settled_step
+
+    monkeypatch.setenv("INMEM_FT_SECRET", "pipeline-test-secret-0123456789")
+    cluster = SimulatedCluster(4, 1, job, 64 << 20, str(runtime / "logs"), env=ENV, parity=1).start()
+    try:
+        before, resumed = runtime / "before.jsonl", runtime / "resumed.jsonl"
+        attempt = cluster.run(example(2, 1, "fp32", "--loss-log", before, "--die-at", 9, "--die-rank", 3))
+        assert not attempt.ok and attempt.returncodes[3] == -9
+        step = settled_step(cluster)
+        assert step in (6, 8), step
+        cluster.lose_node(3)
+        cluster.start_smp(3)
+        attempt = run_ok(cluster, example(2, 1, "fp32", "--loss-log", resumed))
+        assert f"event=rebuilt step={step}" in open(cluster.smp_log(3)).read()
+        assert f"step={step} source=peer_reconstruction" in cluster.rank_log(attempt.number, 3)
+    finally:
+        cluster.stop()
+    before, resumed = read_losses(before), read_losses(resumed)
+    assert min(resumed) == step + 1
+    assert {s: resumed[s] for s in range(step + 1, 10)} == {s: before[s] for s in range(step + 1, 10)}
