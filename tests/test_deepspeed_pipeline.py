@@ -128,3 +128,15 @@ def test_pp2_dp2_lost_node_rebuilt_from_parity_resumes_bit_identical(job, runtim
     before, resumed = read_losses(before), read_losses(resumed)
     assert min(resumed) == step + 1
     assert {s: resumed[s] for s in range(step + 1, 10)} == {s: before[s] for s in range(step + 1, 10)}
+
+
+@pytest.mark.slow
+def test_restart_on_another_pipeline_layout_is_refused_clearly(job, runtime):
+    """Snapshots of PP2 x DP1; the restart asks for PP1 x DP2: every rank stops with a one-line ConfigError
+    before training (resharding pipeline-parallel snapshots is not supported)."""
+    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        run_ok(cluster, example(2, 1, "fp32", "--steps", 4))
+        attempt = cluster.run(example(1, 1, "fp32", "--steps", 6, "--loss-log", runtime / "resumed.jsonl"))
+        assert not attempt.ok and read_losses(runtime / "resumed.jsonl") == {}
+        said = cluster.rank_log(attempt.number, attempt.first_failure or 0)
+        assert "resharding pipeline-parallel snapshots is not supported" in said
