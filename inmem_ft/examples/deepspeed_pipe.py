@@ -103,6 +103,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
     p.add_argument("--save-dir", default=None, help="at the end: engine.save_checkpoint(PATH), a stock checkpoint")
+    p.add_argument("--dump-full", default=None, help="ZeRO-1: rank 0 writes every global parameter, fp32 master and "
+                                                     "Adam moment, keyed as the shard map keys them, and the "
+                                                     "counters (torch.save) to PATH, after --dump-step (or right "
+                                                     "after the restore of it)")
+    p.add_argument("--dump-step", type=int, default=None)
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
     p.add_argument("--die-rank", type=int, default=0)
@@ -130,9 +135,13 @@ def main() -> None:
     start = 0
     if handle is not None and handle.restored is not None:
         data.position, start = handle.restored.extras["position"], handle.restored.step
+    if args.dump_full and args.dump_step == start:
+        dump_full(engine, data, args.dump_full)
     for step in range(start + 1, args.steps + 1):
         loss = engine.train_batch(data)  # inmem_ft snapshots after every `interval`th optimizer step
         inmem_ft.report_loss(step, loss.item(), args.loss_log)  # the mean over micro-batches and replicas
+        if args.dump_full and args.dump_step == step:
+            dump_full(engine, data, args.dump_full)
         if step == args.die_at and rank == args.die_rank:
             if handle is not None:
                 handle.wait()
@@ -141,6 +150,34 @@ def main() -> None:
         engine.save_checkpoint(args.save_dir)
     if handle is not None:
         handle.close()
+
+
+def dump_full(engine, data: Batches, path: str) -> None:
+    """Collective: every stage's parameters with their ZeRO-1 fp32 masters and Adam moments, gathered the way
+    DeepSpeed itself does and keyed by layer (a tied parameter once, from the stage of its first layer), and
+    the counters a resume carries; rank 0 writes them to `path`."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from inmem_ft.integrations.deepspeed.pipeline import Pipeline
+
+    pipe, mine = Pipeline(engine), {}
+    for name, p in engine.module.named_parameters():
+        key, main = pipe.param_key(name)
+        got = {key: p.detach().clone(), f"optimizer.state.fp32_param.{key}": safe_get_full_fp32_param(p).clone()}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            got[f"optimizer.state.{kind}.{key}"] = safe_get_full_optimizer_state(p, kind).clone()
+        if main:
+            mine.update(got)
+    everyone = [None] * deepspeed.comm.get_world_size()
+    deepspeed.comm.all_gather_object(everyone, mine)
+    if deepspeed.comm.get_rank() == 0:
+        full = {k: v for part in everyone for k, v in part.items()}
+        steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
+        full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                             "optimizer_steps": steps, "lr": engine.get_lr(), "position": data.position,
+                             "scheduler": engine.lr_scheduler.state_dict()}
+        torch.save(full, path)
 
 
 if __name__ == "__main__":

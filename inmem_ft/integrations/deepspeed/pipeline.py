@@ -11,7 +11,8 @@
   optimizer state alike, so the key is the same whichever stage holds the layer (DeepSpeed's own
   `tied_modules.<key>.` and `<index>.` prefixes of the module's parameter names are not). A tied layer
   (embedding and LM head) is keyed at its first index; every stage that holds it stores a copy, and the
-  stage of that first index holds the main one.
+  stage of that first index holds the main one. A snapshot of one pipeline layout loads into another (stages
+  and DP size, ZeRO-1) by those keys: reshard.load with key_of.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class Pipeline:
             idx = self._tied_at[tied]
             return self.layer_key(idx, rest), self._holds(idx)
         return self.layer_key(int(head), rest), True
+
+    def key_of(self, name: str) -> str:
+        return self.param_key(name)[0]
 
     def rekey(self, tree):
         """Re-key, in place, the optimizer-state specs in `tree` (shards.with_specs' output, whose Sharded
@@ -145,8 +149,9 @@ class Pipeline:
 
 
 def check_reshard(engine, old_pp: int) -> None:
-    """A change of layout involving pipeline stages is not resharded (yet): say so before anything loads."""
-    if getattr(engine, "pipeline_parallelism", False) or old_pp > 1:
-        raise ConfigError(f"inmem_ft: the snapshot was taken with {old_pp} pipeline stage(s) and this job's layout "
-                          f"differs; resharding pipeline-parallel snapshots is not supported: restart with the "
-                          f"snapshot's layout (the same pipeline stages and data-parallel size)")
+    """A pipeline snapshot's keys name layers, not the module's parameters: it reshards into another
+    PipelineModule only (whose layers a mismatch then names)."""
+    if old_pp > 1 and not getattr(engine, "pipeline_parallelism", False):
+        raise ConfigError(f"inmem_ft: the snapshot was taken with {old_pp} pipeline stages and this model is no "
+                          f"PipelineModule: restart with the PipelineModule it was taken with (any number of "
+                          f"stages, ZeRO-1)")

@@ -30,16 +30,17 @@ from . import stock
 FP32 = "fp32_param"
 
 
-def load(engine, rs: Resharding) -> dict:
+def load(engine, rs: Resharding, key_of=None) -> dict:
     """Collective: every rank's engine gets the snapshot's parameters, optimizer state, step, scheduler and
-    counters, and this rank its RNG; returns {extras, seconds per phase}."""
+    counters, and this rank its RNG; returns {extras, seconds per phase}. `key_of`: a module parameter name ->
+    its name in the shard map's keys (default: the same; a pipeline engine's, pipeline.Pipeline.key_of)."""
     import deepspeed.comm as dist
 
     t0 = time.perf_counter()
     stage = int(engine.zero_optimization_stage())
     ok, error = 1, None
     try:  # every rank must hear of a failure before the collectives below, or they would wait forever
-        params = _plan(engine, rs, stage)
+        params = _plan(engine, rs, stage, key_of or (lambda name: name))
         model, _, inner = stock.model_and_optimizer(rs.job_state("files"), f"step {rs.step} of the old layout")
         if len(inner["param_groups"]) != len(engine.optimizer.param_groups):
             raise InmemFTError(f"the old layout's optimizer has {len(inner['param_groups'])} param groups, this "
@@ -84,7 +85,7 @@ def check_target(engine) -> None:
                           "fp32, or the snapshot's original layout")
 
 
-def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parameter, dict[str, str]]]:
+def _plan(engine, rs: Resharding, stage: int, key_of) -> list[tuple[str, torch.nn.Parameter, dict[str, str]]]:
     """(name, parameter, {kind: key}) per parameter, checked against the snapshot before anything changes."""
     keys = rs.optimizer_keys()
     if not keys:
@@ -95,7 +96,7 @@ def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parame
         if not p.requires_grad:
             raise InmemFTError(f"{name} is frozen (requires_grad=False): resharding covers trained parameters "
                                f"only; restart with the snapshot's original layout")
-        kinds = keys.pop(name, {})
+        kinds = keys.pop(key_of(name), {})
         shape = tuple(p.ds_shape) if stage == 3 else tuple(p.shape)
         if FP32 not in kinds:
             problems.append(f"{name}: no fp32 master weight in the snapshot")
