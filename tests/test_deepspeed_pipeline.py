@@ -142,20 +142,32 @@ def test_restart_on_another_pipeline_layout_is_refused_clearly(job, runtime):
         assert "resharding pipeline-parallel snapshots is not supported" in said
 
 
-def test_reshard_pp2_to_pp1_bit_identical(job, runtime):
-    """Snapshots of PP2 x DP1 (ZeRO-1); the restart builds the same PipelineModule in one stage over two
-    data-parallel ranks: each rank reads its flat ranges of every layer's fp32 master and moments by their
-    layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit."""
-    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(2, 1, "fp32", "--steps", 4, "--dump-full", runtime / "pp2.pt", "--dump-step", 4))
-        attempt = run_ok(cluster, example(1, 1, "fp32", "--steps", 6, "--dump-full", runtime / "pp1.pt",
-                                          "--dump-step", 4))
-        assert "step=4 source=memory_resharded from=tp1.pp2.dp1.zero1 to=tp1.pp1.dp2.zero1" in \
-            cluster.rank_log(attempt.number, 0)
+def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp):
+    """Snapshots of one pipeline layout (ZeRO-1); the restart builds the same PipelineModule in another number
+    of stages on the same ranks: each rank reads its flat ranges of every layer's fp32 master and moments by
+    their layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit."""
     import torch
 
-    old, new = torch.load(runtime / "pp2.pt", weights_only=True), torch.load(runtime / "pp1.pt", weights_only=True)
+    world = nodes * per_node
+    with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        run_ok(cluster, example(old_pp, 1, "fp32", "--steps", 4, "--dump-full", runtime / "old.pt", "--dump-step", 4))
+        attempt = run_ok(cluster, example(new_pp, 1, "fp32", "--steps", 6, "--dump-full", runtime / "new.pt",
+                                          "--dump-step", 4))
+        assert (f"step=4 source=memory_resharded from=tp1.pp{old_pp}.dp{world // old_pp}.zero1 "
+                f"to=tp1.pp{new_pp}.dp{world // new_pp}.zero1") in cluster.rank_log(attempt.number, 0)
+    old, new = torch.load(runtime / "old.pt", weights_only=True), torch.load(runtime / "new.pt", weights_only=True)
     assert old.pop("_counters") == new.pop("_counters")
     assert set(old) == set(new) and len(old) == 4 * len(WEIGHTS)
     for key, want in old.items():
         assert torch.equal(new[key], want), key
+
+
+def test_reshard_pp2_to_pp1_bit_identical(job, runtime):
+    reshard_and_compare(job, runtime, 2, 1, 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes,per_node,old_pp,new_pp", [(2, 1, 1, 2), (2, 2, 2, 1)])
+def test_reshard_pipeline_layouts_bit_identical(job, runtime, nodes, per_node, old_pp, new_pp):
+    """PP1 x DP2 -> PP2 x DP1, and PP2 x DP2 -> PP1 x DP4 (the tied embedding's two copies become one)."""
+    reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp)

@@ -345,7 +345,7 @@ class Handle:
         try:
             pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
-            got = reshard.load(self.engine, rs, key_of=self.pipe.key_of if self.pipe else None)
+            got = reshard.load(self.engine, rs, self.pipe or reshard.ModuleKeys)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}

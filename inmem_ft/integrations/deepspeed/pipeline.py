@@ -12,7 +12,7 @@
   `tied_modules.<key>.` and `<index>.` prefixes of the module's parameter names are not). A tied layer
   (embedding and LM head) is keyed at its first index; every stage that holds it stores a copy, and the
   stage of that first index holds the main one. A snapshot of one pipeline layout loads into another (stages
-  and DP size, ZeRO-1) by those keys: reshard.load with key_of.
+  and DP size, ZeRO-1) by those keys (reshard.load, with this class naming the keys).
 """
 from __future__ import annotations
 
@@ -62,6 +62,11 @@ class Pipeline:
 
     def key_of(self, name: str) -> str:
         return self.param_key(name)[0]
+
+    def held_elsewhere(self, key: str) -> bool:
+        """Whether a parameter's layer key (`layer_XX.<name>`) names a layer of another stage."""
+        head, _, _ = key.partition(".")
+        return head.startswith(_LAYER_PREFIX) and not self._holds(int(head[len(_LAYER_PREFIX):]))
 
     def rekey(self, tree):
         """Re-key, in place, the optimizer-state specs in `tree` (shards.with_specs' output, whose Sharded
