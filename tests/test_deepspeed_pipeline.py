@@ -131,15 +131,18 @@ def test_pp2_dp2_lost_node_rebuilt_from_parity_resumes_bit_identical(job, runtim
 
 
 @pytest.mark.slow
-def test_restart_on_another_pipeline_layout_is_refused_clearly(job, runtime):
-    """Snapshots of PP2 x DP1; the restart asks for PP1 x DP2: every rank stops with a one-line ConfigError
-    before training (resharding pipeline-parallel snapshots is not supported)."""
+def test_a_pipeline_snapshot_into_a_model_without_stages_is_refused_clearly(job, runtime):
+    """Snapshots of PP2 x DP1; the restart builds a plain (non-pipeline) model: every rank stops with a
+    one-line ConfigError before training (a pipeline snapshot's keys name layers, not that model's
+    parameters)."""
     with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
         run_ok(cluster, example(2, 1, "fp32", "--steps", 4))
-        attempt = cluster.run(example(1, 1, "fp32", "--steps", 6, "--loss-log", runtime / "resumed.jsonl"))
+        attempt = cluster.run(["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "1", "--steps", "6",
+                               "--interval", str(INTERVAL), "--loss-log", str(runtime / "resumed.jsonl")])
         assert not attempt.ok and read_losses(runtime / "resumed.jsonl") == {}
         said = cluster.rank_log(attempt.number, attempt.first_failure or 0)
-        assert "resharding pipeline-parallel snapshots is not supported" in said
+        assert "ConfigError: inmem_ft: the snapshot was taken with 2 pipeline stages and this model is no " \
+               "PipelineModule" in said
 
 
 def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp):
