@@ -158,11 +158,12 @@ class Handle:
             files = self.pipe.without_layer_files(files)
         files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 param_names=self._param_names)
+        if self.pipe is not None:
+            self.pipe.rekey(files)
         state = {"tag": str(info.tag), "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
         if self.pipe is not None:
-            self.pipe.rekey(files)
             state["layers"] = Replicated(self.pipe.layer_files())  # the same on every DP replica of the stage
         # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
         self.snap.save(step, state, overlap=True, topology=self._topology(files))
