@@ -51,14 +51,14 @@ def reference(nodes, per_node, pp, stage, dtype, tmp_path_factory):
     return losses
 
 
-def crash_and_resume(cluster, runtime, ref, pp, stage, dtype, die_rank):
+def crash_and_resume(cluster, runtime, ref, pp, stage, dtype, die_rank, extra=()):
     """Killed after step 7 (snapshots at 2, 4, 6): the restart resumes at step 7, bit-identical."""
     before = runtime / "before.jsonl"
     attempt = cluster.run(example(pp, stage, dtype, "--loss-log", before, "--die-at", 7, "--die-rank", die_rank))
     assert not attempt.ok and attempt.returncodes[die_rank] == -9
     assert read_losses(before) == {s: ref[s] for s in range(1, 8)}
     resumed = runtime / "resumed.jsonl"
-    attempt = run_ok(cluster, example(pp, stage, dtype, "--loss-log", resumed))
+    attempt = run_ok(cluster, example(pp, stage, dtype, "--loss-log", resumed, *extra))
     for rank in range(cluster.world_size):
         assert "step=6 source=memory" in cluster.rank_log(attempt.number, rank)
     assert read_losses(resumed) == {s: ref[s] for s in range(7, STEPS + 1)}  # bit-identical
@@ -81,11 +81,17 @@ def shard_keys(cluster, step):
 @pytest.mark.parametrize("stage", [1])
 def test_pp2_kill_and_resume_bit_identical_and_keys_by_layer(job, runtime, tmp_path_factory, stage):
     """PP2 x DP1 on two nodes: the last stage (holding the LM head, tied to the first stage's embedding) is
-    killed; the shard map names the tied weight once, at its first layer, with one main copy."""
+    killed; the shard map names the tied weight once, at its first layer, with one main copy. The explicit
+    save_checkpoint at the end writes DeepSpeed's own pipeline checkpoint (layer files and one model-states
+    file per stage)."""
     ref = reference(2, 1, 2, stage, "fp32", tmp_path_factory)
+    stock = runtime / "stock"
     with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        crash_and_resume(cluster, runtime, ref, 2, stage, "fp32", die_rank=1)
+        crash_and_resume(cluster, runtime, ref, 2, stage, "fp32", die_rank=1, extra=("--save-dir", stock))
         got = shard_keys(cluster, STEPS)
+    assert (stock / "latest").read_text() == f"global_step{STEPS}"
+    assert {"layer_00-model_states.pt", "layer_04-model_states.pt", "mp_rank_00_model_states.pt",
+            "mp_rank_01_model_states.pt"} <= set(os.listdir(stock / f"global_step{STEPS}"))
     optimizer = {f"optimizer.state.{kind}.{k}" for kind in ("fp32_param", "exp_avg", "exp_avg_sq") for k in WEIGHTS}
     assert got == WEIGHTS | optimizer
 
@@ -145,7 +151,7 @@ def test_a_pipeline_snapshot_into_a_model_without_stages_is_refused_clearly(job,
                "PipelineModule" in said
 
 
-def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp):
+def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype="fp32"):
     """Snapshots of one pipeline layout (ZeRO-1); the restart builds the same PipelineModule in another number
     of stages on the same ranks: each rank reads its flat ranges of every layer's fp32 master and moments by
     their layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit."""
@@ -153,8 +159,8 @@ def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp):
 
     world = nodes * per_node
     with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(old_pp, 1, "fp32", "--steps", 4, "--dump-full", runtime / "old.pt", "--dump-step", 4))
-        attempt = run_ok(cluster, example(new_pp, 1, "fp32", "--steps", 6, "--dump-full", runtime / "new.pt",
+        run_ok(cluster, example(old_pp, 1, dtype, "--steps", 4, "--dump-full", runtime / "old.pt", "--dump-step", 4))
+        attempt = run_ok(cluster, example(new_pp, 1, dtype, "--steps", 6, "--dump-full", runtime / "new.pt",
                                           "--dump-step", 4))
         assert (f"step=4 source=memory_resharded from=tp1.pp{old_pp}.dp{world // old_pp}.zero1 "
                 f"to=tp1.pp{new_pp}.dp{world // new_pp}.zero1") in cluster.rank_log(attempt.number, 0)
@@ -170,7 +176,8 @@ def test_reshard_pp2_to_pp1_bit_identical(job, runtime):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes,per_node,old_pp,new_pp", [(2, 1, 1, 2), (2, 2, 2, 1)])
-def test_reshard_pipeline_layouts_bit_identical(job, runtime, nodes, per_node, old_pp, new_pp):
-    """PP1 x DP2 -> PP2 x DP1, and PP2 x DP2 -> PP1 x DP4 (the tied embedding's two copies become one)."""
-    reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp)
+@pytest.mark.parametrize("nodes,per_node,old_pp,new_pp,dtype", [(2, 1, 1, 2, "fp32"), (2, 2, 2, 1, "fp32"),
+                                                                 (2, 1, 2, 1, "bf16")])
+def test_reshard_pipeline_layouts_bit_identical(job, runtime, nodes, per_node, old_pp, new_pp, dtype):
+    """PP1 x DP2 -> PP2 x DP1, and PP2 x DP2 -> PP1 x DP4 (the tied embedding's two copies become one); bf16."""
+    reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype)
