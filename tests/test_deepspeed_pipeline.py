@@ -5,6 +5,7 @@ bit; the shard map keys every parameter by its layer index, whichever stage hold
 import os
 
 import pytest
+import torch
 
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp.client import SMPClient
@@ -21,9 +22,9 @@ WEIGHTS = {"layer_00.weight", "layer_01.pos.weight", *(f"layer_{i:02d}.{n}" for 
            "layer_04.weight", "layer_04.bias"}
 
 
-def example(pp, stage, dtype="fp32", *extra):
+def example(pp, stage, dtype="fp32", *extra, steps=STEPS):
     return [str(a) for a in ["-m", "inmem_ft.examples.deepspeed_pipe", "--pp", pp, "--zero-stage", stage,
-                             "--dtype", dtype, "--steps", STEPS, "--interval", INTERVAL, *extra]]
+                             "--dtype", dtype, "--steps", steps, "--interval", INTERVAL, *extra]]
 
 
 def run_ok(cluster, argv):
@@ -142,7 +143,7 @@ def test_a_pipeline_snapshot_into_a_model_without_stages_is_refused_clearly(job,
     one-line ConfigError before training (a pipeline snapshot's keys name layers, not that model's
     parameters)."""
     with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(2, 1, "fp32", "--steps", 4))
+        run_ok(cluster, example(2, 1, "fp32", steps=4))
         attempt = cluster.run(["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "1", "--steps", "6",
                                "--interval", str(INTERVAL), "--loss-log", str(runtime / "resumed.jsonl")])
         assert not attempt.ok and read_losses(runtime / "resumed.jsonl") == {}
@@ -155,13 +156,11 @@ def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype="fp
     """Snapshots of one pipeline layout (ZeRO-1); the restart builds the same PipelineModule in another number
     of stages on the same ranks: each rank reads its flat ranges of every layer's fp32 master and moments by
     their layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit."""
-    import torch
-
     world = nodes * per_node
     with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(old_pp, 1, dtype, "--steps", 4, "--dump-full", runtime / "old.pt", "--dump-step", 4))
-        attempt = run_ok(cluster, example(new_pp, 1, dtype, "--steps", 6, "--dump-full", runtime / "new.pt",
-                                          "--dump-step", 4))
+        run_ok(cluster, example(old_pp, 1, dtype, "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        attempt = run_ok(cluster, example(new_pp, 1, dtype, "--dump-full", runtime / "new.pt", "--dump-step", 4,
+                                          steps=6))
         assert (f"step=4 source=memory_resharded from=tp1.pp{old_pp}.dp{world // old_pp}.zero1 "
                 f"to=tp1.pp{new_pp}.dp{world // new_pp}.zero1") in cluster.rank_log(attempt.number, 0)
     old, new = torch.load(runtime / "old.pt", weights_only=True), torch.load(runtime / "new.pt", weights_only=True)
