@@ -43,8 +43,19 @@ BUILD = textwrap.dedent("""
     support.check_supported(plain)  # the layout we handle passes
     support.check_supported(plain, version="0.19.9+abc1234")  # a source build of a patch release passes
     print("version:", refusal(plain, version="0.20.0"))
-    print("pipeline:", refusal(engine(PipelineModule([torch.nn.Linear(4, 4)], num_stages=1,
-                                                     loss_fn=torch.nn.MSELoss()), optimizer=ADAM)))
+    def pipe():
+        return PipelineModule([torch.nn.Linear(4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())
+
+    support.check_supported(engine(pipe(), optimizer=ADAM))  # a PipelineModule with ZeRO-0/1 passes
+    print("pipeline_bf16:", refusal(engine(pipe(), optimizer=ADAM, bf16={"enabled": True})))
+
+    class TensorParallel:  # an mpu as Megatron hands one to deepspeed.initialize, with 2 tensor-parallel ranks
+        def get_tensor_model_parallel_world_size(self):
+            return 2
+
+    tp = engine(torch.nn.Linear(4, 4), optimizer=ADAM)
+    tp.mpu = TensorParallel()
+    print("tp:", refusal(tp))
     print("moe:", refusal(engine(Experts(), optimizer=ADAM)))
     print("offload:", refusal(engine(torch.nn.Linear(4, 4), zero_force_ds_cpu_optimizer=False,
                                      zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})))
@@ -56,9 +67,11 @@ def test_unsupported_deepspeed_layouts_are_refused(runtime):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     said = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(":")[0] in
-                {"version", "pipeline", "moe", "offload"})
+                {"version", "pipeline_bf16", "tp", "moe", "offload"})
     assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said["version"]
-    assert "pipeline parallelism" in said["pipeline"] and "not supported" in said["pipeline"]
+    assert "bf16 under a PipelineModule with ZeRO-0" in said["pipeline_bf16"]
+    assert "tensor (model) parallelism through an mpu is not supported" in said["tp"]
     assert "mixture-of-experts" in said["moe"]
     assert "optimizer offload to cpu is not supported" in said["offload"]
-    assert all("\n" not in s and "remove the inmem_ft block" in s for s in said.values())
+    assert all("\n" not in s for s in said.values())
+    assert all("remove the inmem_ft block" in said[k] for k in ("version", "tp", "moe", "offload"))

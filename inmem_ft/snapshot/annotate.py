@@ -25,9 +25,10 @@ def whole(key: str, tensor: torch.Tensor, *, main: bool = True, replica: tuple[i
     return Sharded(tensor, ShardSpec(key, tuple(tensor.shape), replica=replica, main=main))
 
 
-def state_dict(sd: dict, *, main: bool = True, replica: tuple[int, ...] = ()) -> dict:
-    """A copy of a module state dict whose (non-empty) tensors carry their whole-tensor spec."""
-    out = type(sd)((name, whole(name, t, main=main, replica=replica)
+def state_dict(sd: dict, *, main: bool = True, replica: tuple[int, ...] = (), prefix: str = "") -> dict:
+    """A copy of a module state dict whose (non-empty) tensors carry their whole-tensor spec, keyed
+    `prefix` + name."""
+    out = type(sd)((name, whole(prefix + name, t, main=main, replica=replica)
                     if isinstance(t, torch.Tensor) and t.numel() else t) for name, t in sd.items())
     if hasattr(sd, "_metadata"):
         out._metadata = sd._metadata  # load_state_dict reads the per-module versions

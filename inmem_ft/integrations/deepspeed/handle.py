@@ -4,6 +4,7 @@ explicit `engine.save_checkpoint(dir)` that writes a stock DeepSpeed checkpoint.
 (copy, commit, agreement, replication) lives in inmem_ft.capture, the disk tier in the SMP (smp/disktier.py)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -25,7 +26,7 @@ from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
 from ...universal.reshard import open_memory, open_newest
-from . import reshard, shards, stock, support, types
+from . import pipeline, reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
@@ -71,6 +72,7 @@ class Handle:
         self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
+        self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
         self._unreported = Unreported(self.snap.metrics)
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
@@ -91,22 +93,28 @@ class Handle:
         groups = getattr(opt, "fp16_groups", None) or [g["params"] for g in opt.param_groups]
         return annotate.param_names(self.engine.module, groups)
 
+    def _before_update(self) -> None:
+        self.snap.fence()  # the last snapshot's copy ran behind forward/backward; the step changes the state
+        # The optimizer now steps in the restored tensors themselves (copy-on-write views of the slot): they
+        # no longer hold the snapshot, so a later load of its tag is DeepSpeed's own, from disk.
+        self._memory = None
+
+    def _after_update(self, before: int) -> None:
+        now = self.engine.global_steps
+        self.snap.heartbeat(step=now)
+        if now != before and self.snap.due(now):  # an optimizer step (gradient-accumulation boundary)
+            self.snapshot()
+        self._report()
+
     def _wrap(self, engine) -> None:
         step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
 
         @functools.wraps(step)
         def wrapped_step(*a, **kw):
-            self.snap.fence()  # the last snapshot's copy ran behind forward/backward; the step changes the state
-            # The optimizer now steps in the restored tensors themselves (copy-on-write views of the slot): they
-            # no longer hold the snapshot, so a later load of its tag is DeepSpeed's own, from disk.
-            self._memory = None
+            self._before_update()
             before = engine.global_steps
             out = step(*a, **kw)
-            now = engine.global_steps
-            self.snap.heartbeat(step=now)
-            if now != before and self.snap.due(now):  # an optimizer step (gradient-accumulation boundary)
-                self.snapshot()
-            self._report()
+            self._after_update(before)
             return out
 
         @functools.wraps(save)
@@ -130,7 +138,11 @@ class Handle:
                 return self._load_memory(*self._memory, *a, **kw)
             return load(load_dir, tag, *a, **kw)
 
-        engine.step, engine.save_checkpoint, engine.load_checkpoint = wrapped_step, wrapped_save, wrapped_load
+        if self.pipe is not None:  # train_batch() steps inside; engine.step() raises
+            self.pipe.wrap(self._before_update, self._after_update)
+        else:
+            engine.step = wrapped_step
+        engine.save_checkpoint, engine.load_checkpoint = wrapped_save, wrapped_load
         self._load = load
         self._memory = None
 
@@ -142,11 +154,17 @@ class Handle:
         """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
         step = int(self.engine.global_steps)
         self._memory = None  # a restored state views slots that snapshots from now on may rewrite
+        if self.pipe is not None:
+            files = self.pipe.without_layer_files(files)
         files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                 param_names=self._param_names)
+        if self.pipe is not None:
+            self.pipe.rekey(files)
         state = {"tag": str(info.tag), "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
+        if self.pipe is not None:
+            state["layers"] = Replicated(self.pipe.layer_files())  # the same on every DP replica of the stage
         # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
         self.snap.save(step, state, overlap=True, topology=self._topology(files))
 
@@ -172,9 +190,12 @@ class Handle:
     def _layout(self) -> Topology:
         import deepspeed
 
+        pipe = self.pipe
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
-                        world_size=self.snap.world_size, dp=self.dp_size, tp=int(self.engine.mp_world_size),
-                        coords={"dp": self.dp_rank, "tp": 0, "pp": 0}, zero_stage=self.zero_stage)
+                        world_size=self.snap.world_size, dp=self.dp_size,
+                        tp=pipe.tp if pipe else int(self.engine.mp_world_size), pp=pipe.stages if pipe else 1,
+                        coords={"dp": self.dp_rank, "tp": 0, "pp": pipe.stage if pipe else 0},
+                        zero_stage=self.zero_stage)
 
     def snapshot(self) -> None:
         """Take a snapshot now (collective). Returns at once: the copy runs behind training until the next
@@ -255,7 +276,8 @@ class Handle:
             # take cores from what is left of the restore (on a node with a core per rank, a rank's main thread
             # then waited 4-40 ms for a core in the few Python lines below).
             with PrivateAfterLoad(self.snap, inner, [self.engine.module], [optimizer] if optimizer is not None
-                                  else [], defer=True, release=displaced):
+                                  else [], defer=True, release=displaced), \
+                    self.pipe.serving(state["layers"]) if self.pipe else contextlib.nullcontext():
                 path, _ = self._load(self.scratch, tag, *a, **kw)
                 if path is None:
                     raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
@@ -322,8 +344,9 @@ class Handle:
         t0 = time.perf_counter()
         rs = open_source()  # first: the restore may have opened it already, and a refusal below must close it
         try:
+            pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
-            got = reshard.load(self.engine, rs)
+            got = reshard.load(self.engine, rs, self.pipe or reshard.ModuleKeys)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}

@@ -30,16 +30,31 @@ from . import stock
 FP32 = "fp32_param"
 
 
-def load(engine, rs: Resharding) -> dict:
+class ModuleKeys:
+    """How a plain engine's parameters are named in the shard map: by their module names, all on every rank.
+    (A pipeline engine's: pipeline.Pipeline.)"""
+
+    @staticmethod
+    def key_of(name: str) -> str:
+        return name
+
+    @staticmethod
+    def held_elsewhere(key: str) -> bool:
+        return False
+
+
+def load(engine, rs: Resharding, keys=ModuleKeys) -> dict:
     """Collective: every rank's engine gets the snapshot's parameters, optimizer state, step, scheduler and
-    counters, and this rank its RNG; returns {extras, seconds per phase}."""
+    counters, and this rank its RNG; returns {extras, seconds per phase}. `keys`: how this engine's parameters
+    are named in the shard map (key_of) and which parameters of the snapshot other ranks' models hold
+    (held_elsewhere)."""
     import deepspeed.comm as dist
 
     t0 = time.perf_counter()
     stage = int(engine.zero_optimization_stage())
     ok, error = 1, None
     try:  # every rank must hear of a failure before the collectives below, or they would wait forever
-        params = _plan(engine, rs, stage)
+        params = _plan(engine, rs, stage, keys)
         model, _, inner = stock.model_and_optimizer(rs.job_state("files"), f"step {rs.step} of the old layout")
         if len(inner["param_groups"]) != len(engine.optimizer.param_groups):
             raise InmemFTError(f"the old layout's optimizer has {len(inner['param_groups'])} param groups, this "
@@ -84,7 +99,7 @@ def check_target(engine) -> None:
                           "fp32, or the snapshot's original layout")
 
 
-def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parameter, dict[str, str]]]:
+def _plan(engine, rs: Resharding, stage: int, names) -> list[tuple[str, torch.nn.Parameter, dict[str, str]]]:
     """(name, parameter, {kind: key}) per parameter, checked against the snapshot before anything changes."""
     keys = rs.optimizer_keys()
     if not keys:
@@ -95,7 +110,7 @@ def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parame
         if not p.requires_grad:
             raise InmemFTError(f"{name} is frozen (requires_grad=False): resharding covers trained parameters "
                                f"only; restart with the snapshot's original layout")
-        kinds = keys.pop(name, {})
+        kinds = keys.pop(names.key_of(name), {})
         shape = tuple(p.ds_shape) if stage == 3 else tuple(p.shape)
         if FP32 not in kinds:
             problems.append(f"{name}: no fp32 master weight in the snapshot")
@@ -106,7 +121,8 @@ def _plan(engine, rs: Resharding, stage: int) -> list[tuple[str, torch.nn.Parame
         problems += [f"{key}: {rs.source.fragments.dtype(key)} in the snapshot, not float32" for key in kinds.values()
                      if rs.source.fragments.dtype(key) != torch.float32]
         out.append((name, p, kinds))
-    problems += [f"{name}: in the snapshot, not in this model" for name in sorted(keys)]
+    problems += [f"{name}: in the snapshot, not in this model" for name in sorted(keys)
+                 if not names.held_elsewhere(name)]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise InmemFTError(f"the snapshot of step {rs.step} ({rs.old.layout()}) is not of this model: "

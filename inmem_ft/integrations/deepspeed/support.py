@@ -18,9 +18,7 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
 
         version = deepspeed.__version__
     compat.check("deepspeed", version, allow_untested, without=_WITHOUT)
-    if getattr(engine, "pipeline_parallelism", False):
-        raise ConfigError(f"inmem_ft: pipeline parallelism (a PipelineModule / PipelineEngine) is not supported; "
-                          f"train without pipeline stages, or {_WITHOUT}")
+    check_model_parallel(engine)
     if getattr(engine, "has_moe_layers", False):
         raise ConfigError(f"inmem_ft: mixture-of-experts layers (expert-parallel state) are not supported; "
                           f"{_WITHOUT}")
@@ -29,3 +27,32 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
         if device not in (None, "none"):
             raise ConfigError(f"inmem_ft: ZeRO {what} offload to {device} is not supported; remove "
                               f"zero_optimization.offload_{'param' if what == 'parameter' else what}, or {_WITHOUT}")
+
+
+def check_model_parallel(engine) -> None:
+    """Pipeline stages through a PipelineModule with ZeRO-0/1 are handled (pipeline.py); tensor parallelism
+    through an `mpu`, and pipeline stages an `mpu` declares without a PipelineModule, are refused by name."""
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+
+    pipeline = getattr(engine, "pipeline_parallelism", False)
+    mpu = getattr(engine, "mpu", None)
+    tp = bwc_tensor_model_parallel_world_size(mpu)
+    if tp > 1:
+        raise ConfigError(f"inmem_ft: tensor (model) parallelism through an mpu is not supported (tensor-parallel "
+                          f"size {tp}); train with tensor-parallel size 1, or {_WITHOUT}")
+    if not pipeline and bwc_pipeline_parallel_world_size(mpu) > 1:
+        raise ConfigError(f"inmem_ft: pipeline stages declared by an mpu without a PipelineModule are not "
+                          f"supported; build the model as a deepspeed.pipe.PipelineModule, or {_WITHOUT}")
+    if pipeline and int(engine.zero_optimization_stage()) == 0 and _bf16_optimizer(engine):
+        # ZeRO-0 saves this optimizer's DP-partitioned state inside the model states, which the DP replicas
+        # share in a snapshot: it would restore one replica's partition on all of them. (DeepSpeed itself
+        # refuses ZeRO-2/3 under a pipeline.)
+        raise ConfigError("inmem_ft: bf16 under a PipelineModule with ZeRO-0 (DeepSpeed's BF16_Optimizer, which "
+                          "partitions the optimizer across data-parallel ranks) is not supported; set "
+                          "zero_optimization.stage to 1")
+
+
+def _bf16_optimizer(engine) -> bool:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(engine.optimizer, BF16_Optimizer)
