@@ -127,11 +127,9 @@ class InmemAgent(LocalElasticAgent):
                           note="a hung rank hangs after its last heartbeat: counted from that beat")
         self.say(f"event=hang ranks={','.join(map(str, hung))} timeout_s={self.opts.hang_timeout_s:g}: {what}")
         logs = self._pcontext.stderrs
-        sizes = {r: _size(logs.get(local[r], "")) for r in hung}
+        stacks = hangs.dump_and_kill({beats[r]["pid"]: logs.get(local[r], "") for r in hung}, self.opts.dump_wait_s)
         for r in hung:
-            hangs.dump_and_kill(beats[r]["pid"], self.opts.dump_wait_s)
-        for r in hung:
-            stack = hangs.stack_in(logs.get(local[r], ""), sizes[r])
+            stack = stacks[beats[r]["pid"]]
             self.say(f"event=hang_stack rank={r} pid={beats[r]['pid']}:\n{stack or '(no stack came: see its log)'}")
         deadline = time.monotonic() + KILL_WAIT_S
         while True:
@@ -153,10 +151,3 @@ def _describe(result: RunResult) -> str:
         return f"the worker group became {result.state.name}"
     return "; ".join(f"rank {rank} exited with {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
                      for rank, f in sorted(result.failures.items()))
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0

@@ -12,6 +12,8 @@ import time
 
 from ..telemetry import STACK_SIGNAL, read_heartbeats
 
+DUMP_POLL_S = 0.02
+
 
 def beats_of(directory: str, pids: dict[int, int]) -> dict[int, dict]:
     """The heartbeats of the processes now running (global rank -> pid), only: a file an earlier process of
@@ -24,13 +26,25 @@ def stale(beats: dict[int, dict], now: float, timeout_s: float) -> list[int]:
     return sorted(r for r, b in beats.items() if not b.get("done") and now - b["time"] > timeout_s)
 
 
-def dump_and_kill(pid: int, wait_s: float) -> None:
-    """Ask the process for its stacks (telemetry.dump_stacks_on), let it run to answer (it may be stopped),
-    then SIGKILL it: from here on it is a crashed rank like any other."""
-    for signum in (STACK_SIGNAL, signal.SIGCONT):
-        _signal(pid, signum)
-    time.sleep(wait_s)
-    _signal(pid, signal.SIGKILL)
+def dump_and_kill(pids: dict[int, str], wait_s: float) -> dict[int, str]:
+    """Ask the processes (pid -> its stderr log) for their stacks (telemetry.dump_stacks_on), let them run to
+    answer (they may be stopped), then SIGKILL them: from here on each is a crashed rank like any other.
+    Returns what each printed. A stopped rank runs on while it answers: it is killed as soon as its dump is
+    whole (its log stops growing), after `wait_s` at the latest."""
+    sizes = {pid: _size(log) for pid, log in pids.items()}
+    for pid in pids:
+        for signum in (STACK_SIGNAL, signal.SIGCONT):
+            _signal(pid, signum)
+    deadline, last = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        time.sleep(DUMP_POLL_S)
+        now = {pid: _size(log) for pid, log in pids.items()}
+        if now == last and all(n > sizes[pid] for pid, n in now.items()):
+            break  # every one wrote, and nothing since the last look: the dumps are whole
+        last = now
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    return {pid: _stack_in(log, sizes[pid]) for pid, log in pids.items()}
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -40,7 +54,14 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def stack_in(log: str, since: int) -> str:
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _stack_in(log: str, since: int) -> str:
     """What the rank wrote to its log from byte `since` on: faulthandler's dump, when it answered."""
     try:
         with open(log, "rb") as f:

@@ -69,6 +69,8 @@ def restore_span(log: str) -> tuple[float, float, int, dict] | None:
 
 def _latest(values: dict[int, float | None], what: str) -> tuple[float | None, str]:
     """The last rank's time (the restart waits for it), or None and which ranks did not record it."""
+    if not values:
+        return None, f"{what} not recorded: no rank was started again"
     missing = sorted(r for r, v in values.items() if v is None)
     if missing:
         return None, f"{what} not recorded by rank(s) {missing}"
