@@ -30,6 +30,7 @@ class AgentOptions:
     job: str
     node: int
     socket: str
+    own_smp: bool  # else someone else starts and stops it
     memory_budget: str | None
     smp_args: list[str]
     hang_timeout_s: float  # 0: off
@@ -43,7 +44,7 @@ class InmemAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.opts = options
         self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
-                           self.say)
+                           self.say) if options.own_smp else None
         self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say)
         self._attempt = 0
         self._hb_dir = ""
@@ -55,7 +56,8 @@ class InmemAgent(LocalElasticAgent):
 
     def run(self, *args, **kwargs) -> RunResult:
         os.makedirs(self.opts.work_dir, exist_ok=True)
-        self.smp.start()
+        if self.smp:
+            self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
                            "INMEM_FT_SMP_SOCKET": self.opts.socket})
         result, signalled = None, False
@@ -67,10 +69,11 @@ class InmemAgent(LocalElasticAgent):
             raise
         finally:
             self.clock.close()
-            finished = result is not None and result.state == WorkerState.SUCCEEDED
-            wipe = self.opts.wipe_on_exit == "1" or (self.opts.wipe_on_exit == "finished" and finished
-                                                     and not signalled)
-            self.smp.stop(wipe, signalled)
+            if self.smp:
+                finished = result is not None and result.state == WorkerState.SUCCEEDED
+                wipe = self.opts.wipe_on_exit == "1" or (self.opts.wipe_on_exit == "finished" and finished
+                                                         and not signalled)
+                self.smp.stop(wipe, signalled)
 
     # ---- torch's hooks ------------------------------------------------------------------------------------
     def _start_workers(self, worker_group, *args, **kwargs):

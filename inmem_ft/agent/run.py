@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", default=env("INMEM_FT_MEMORY_BUDGET"), metavar="SIZE",
                    help="shared memory this node's SMP may use, e.g. 64GiB; needed unless an SMP of this job "
                         "and node already runs (default: $INMEM_FT_MEMORY_BUDGET)")
+    g.add_argument("--no-smp", action="store_true",
+                   help="the node's SMP is started and stopped by someone else (launch_scripts/torchrun_inmem.sh): "
+                        "the agent only points the ranks at it (default: the agent starts and stops it)")
     g.add_argument("--smp-args", default=env("INMEM_FT_SMP_ARGS", ""), metavar="ARGS",
                    help="more `inmem-ft smp start` arguments, e.g. \"--parity 1 --nodes 4 --peers ...\" "
                         "(default: $INMEM_FT_SMP_ARGS)")
@@ -68,10 +71,10 @@ def options(args):
         paths.check_job(job)
     except ValueError as e:
         raise InmemFTError(str(e)) from None
-    node = int(args.node_rank)
+    node = int(os.environ.get("INMEM_FT_NODE", args.node_rank))  # the SMP's node id; the launch script's own
     os.environ.setdefault("INMEM_FT_SMP_SOCKET", paths.default_socket(job, node))
     work_dir = args.work_dir or os.path.join(paths.job_dir(job), f"agent-node{node}")
-    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"],
+    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
                         work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit)
