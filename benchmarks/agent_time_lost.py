@@ -35,6 +35,7 @@ SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "torchrun_inmem.sh")
 
 def one_run(mode: str, steps: int, work: str) -> dict:
     job = f"b{uuid.uuid4().hex[:10]}"
+    os.makedirs(work, exist_ok=True)
     loss_log = os.path.join(work, "loss.jsonl")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "PET_"))}
     env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), "PYTHONPATH": ROOT,

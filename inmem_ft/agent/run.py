@@ -82,8 +82,8 @@ def options(args):
 
 def through_worker(args) -> None:
     """Run the training command through launcher/worker.py, which records when the rank's rendezvous began and
-    ended (the time-lost split). A --no-python command runs as given."""
-    if args.no_python:
+    ended (the time-lost split). A --no-python or --run-path command runs as given."""
+    if args.no_python or args.run_path:
         return
     command = ["-m", args.training_script] if args.module else [args.training_script]
     args.training_script_args = ["--", *command, *args.training_script_args]
