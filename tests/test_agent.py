@@ -4,8 +4,11 @@ bit-identical to the uninterrupted run, the hung rank's stack lands in the agent
 failure cost is reported, its parts adding up to the total."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -20,12 +23,17 @@ HANG_TIMEOUT_S = 3
 EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]
 
 
-def run_agent(tmp, job, example_args=(), agent_args=(), timeout_s=240) -> tuple[int, str]:
+def agent_command(tmp, job, example_args=(), agent_args=()) -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
     env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "INMEM_FT_RUNTIME_DIR": str(tmp / "run")})
     cmd = [sys.executable, "-m", "inmem_ft", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
            "--job", job, "--memory-budget", "64MiB", "--work-dir", str(tmp / "work"), *agent_args,
            *EXAMPLE, "--loss-log", str(tmp / "loss.jsonl"), *example_args]
+    return cmd, env
+
+
+def run_agent(tmp, job, example_args=(), agent_args=(), timeout_s=240) -> tuple[int, str]:
+    cmd, env = agent_command(tmp, job, example_args, agent_args)
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
@@ -89,6 +97,30 @@ def test_hung_rank_is_dumped_killed_and_recovered_bit_identical(reference, tmp_p
     assert split["failure"].startswith(f"no heartbeat for over {HANG_TIMEOUT_S} s from rank(s) [0, 1]")
     detection = split["parts"][0]["seconds"]
     assert HANG_TIMEOUT_S <= detection < HANG_TIMEOUT_S + 3  # the monitor polls every 0.1 s; a loaded box lags
+
+
+def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
+    """A preemption or scancel: the agent stops its ranks, the SMP gets SIGTERM (it spills), exit 128 + 15."""
+    cmd, env = agent_command(tmp_path, job, ["--steps", "100000"], ["--wipe-on-exit", "1"])
+    env["INMEM_FT_SPILL_DIR"] = str(tmp_path / "spill")
+    out = tmp_path / "agent.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while max(read_losses(tmp_path / "loss.jsonl") if (tmp_path / "loss.jsonl").exists() else [0]) < 2 * INTERVAL:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert re.search(r"event=smp_stopped wiped=1 by=SIGTERM pid=\d+", text), text
+    assert names_with_prefix(f"inmemft.{job}.") == []
+    assert any(name.endswith(".slot") for name in os.listdir(tmp_path / "spill" / job / "node0"))
 
 
 def test_stale_is_a_function_of_the_clock():

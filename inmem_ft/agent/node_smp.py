@@ -47,7 +47,7 @@ class NodeSMP:
 
     def stop(self, wipe: bool, signalled: bool) -> None:
         """Stopped from outside (a preemption, scancel): SIGTERM, on which the SMP first spills its newest complete
-        step to its spill directory, if it has one. Otherwise it is asked to shut down."""
+        step to its spill directory, if it has one, and only then `wipe`. Otherwise it is asked to shut down."""
         if control.ping(self.socket) is None:
             self.say("event=smp_gone")
             return
@@ -55,7 +55,11 @@ class NodeSMP:
             os.kill(self.pid, signal.SIGTERM)
             while os.path.exists(f"/proc/{self.pid}") and _state(self.pid) != "Z":
                 time.sleep(0.1)
-            self.say(f"event=smp_stopped wiped=0 by=SIGTERM pid={self.pid}")
+            if wipe:  # only now that it has spilled
+                from ..smp import inventory  # it imports the daemon: only here
+
+                inventory.remove(self.job, self.node)
+            self.say(f"event=smp_stopped wiped={int(wipe)} by=SIGTERM pid={self.pid}")
             return
         control.stop(self.socket, wipe=wipe)
         self.say(f"event=smp_stopped wiped={int(wipe)}")
