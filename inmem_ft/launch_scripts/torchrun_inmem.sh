@@ -65,7 +65,8 @@
 # handling (the survivors restart when their collectives fail, not when the agents notice).
 #
 # Log lines on stderr: "[inmem_ft] launch node=N event=..." (start, smp_started, smp_reused, torchrun,
-# signal, torchrun_exit, smp_stopped, error).
+# signal, torchrun_exit, smp_stopped, error); the agent's on stdout: "[inmem_ft] agent node=N event=..."
+# (hang, hang_stack, time_lost).
 # Exit code: torchrun's; 2 for bad input; 3 if the SMP could not be started.
 set -uo pipefail
 
