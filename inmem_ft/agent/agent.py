@@ -5,7 +5,6 @@ again, every rank starts anew and restores from the SMPs.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from ..launcher.worker import RECORD_DIR
 from . import hangs
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
-
-log = logging.getLogger("inmem_ft.agent")
 
 KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
 
