@@ -123,6 +123,36 @@ def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
     assert any(name.endswith(".slot") for name in os.listdir(tmp_path / "spill" / job / "node0"))
 
 
+@pytest.mark.slow
+def test_smp_killed_under_running_ranks_is_replaced_and_the_ranks_resume_from_what_it_left(tmp_path, job):
+    cmd, env = agent_command(tmp_path, job, ["--steps", "1500"])
+    out, log = tmp_path / "agent.out", tmp_path / "loss.jsonl"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (log.exists() and max(read_losses(log), default=0) >= 2 * INTERVAL):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        smp = int(re.search(r"event=smp_started pid=(\d+)", out.read_text()).group(1))
+        os.kill(smp, signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert f"event=smp_lost pid={smp}: starting a new one" in text and text.count("event=smp_started") == 2, text
+    assert re.search(r"restore rank=1 step=\d+ source=memory", text), text  # adopted from shared memory
+    logged = [json.loads(line) for line in open(log)]
+    first = {}
+    for rec in logged:  # a step run again after the restart has the very loss it had before
+        assert first.setdefault(rec["step"], rec["loss"]) == rec["loss"], rec
+    assert max(first) == 1500 and len(logged) > len(first)
+    [split] = time_lost(tmp_path)
+    assert split["failure"] == f"the node's SMP (pid {smp}) died" and split["total_s"] is not None, split
+
+
 def test_stale_is_a_function_of_the_clock():
     beats = {0: {"time": 100.0}, 1: {"time": 95.0}, 2: {"time": 90.0, "done": True}}
     assert hangs.stale(beats, 99.0, 5.0) == []

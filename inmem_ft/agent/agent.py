@@ -103,6 +103,12 @@ class InmemAgent(LocalElasticAgent):
         polled_at = time.time()
         result = super()._monitor_workers(worker_group, *args, **kwargs)
         beats = self._beats(worker_group)
+        if self.smp and not self.smp.alive():
+            lost = self.smp.pid
+            self.say(f"event=smp_lost pid={lost}: starting a new one, then restarting the ranks")
+            self.smp.start()  # before torch starts new ranks, which need it
+            if result.state == WorkerState.HEALTHY:
+                return self._recover_smp(worker_group, beats, lost)
         if result.state == WorkerState.HEALTHY:
             self._alive_at = polled_at
             self.clock.poll(beats)
@@ -131,12 +137,26 @@ class InmemAgent(LocalElasticAgent):
         for r in hung:
             stack = stacks[beats[r]["pid"]]
             self.say(f"event=hang_stack rank={r} pid={beats[r]['pid']}:\n{stack or '(no stack came: see its log)'}")
+        return self._failed_result(worker_group)
+
+    def _failed_result(self, worker_group) -> RunResult:
+        """What torch's monitor says once the killed ranks are gone: an ordinary failure."""
         deadline = time.monotonic() + KILL_WAIT_S
         while True:
             result = super()._monitor_workers(worker_group)
             if result.state != WorkerState.HEALTHY or time.monotonic() > deadline:
                 return result if result.state != WorkerState.HEALTHY else RunResult(state=WorkerState.UNHEALTHY)
             time.sleep(0.05)
+
+    # ---- the SMP ------------------------------------------------------------------------------------------
+    def _recover_smp(self, worker_group, beats: dict[int, dict], lost: int) -> RunResult:
+        """The node's SMP died under running ranks and a new one adopted the snapshots the dead one left in shared
+        memory: the ranks, whose connections died with it, restart (killed here: a crash for torch)."""
+        self.clock.failed(f"the node's SMP (pid {lost}) died", beats, self._alive_at,
+                          "the SMP died after the last poll that found it running: counted from there")
+        for pid in self._pcontext.pids().values():
+            hangs.kill(pid)
+        return self._failed_result(worker_group)
 
     def _beats(self, worker_group) -> dict[int, dict]:
         if self._pcontext is None or not self._hb_dir:

@@ -43,8 +43,12 @@ def dump_and_kill(pids: dict[int, str], wait_s: float) -> dict[int, str]:
             break  # every one wrote, and nothing since the last look: the dumps are whole
         last = now
     for pid in pids:
-        _signal(pid, signal.SIGKILL)
+        kill(pid)
     return {pid: _stack_in(log, sizes[pid]) for pid, log in pids.items()}
+
+
+def kill(pid: int) -> None:
+    _signal(pid, signal.SIGKILL)
 
 
 def _signal(pid: int, signum: int) -> None:

@@ -1,6 +1,7 @@
 """The node's SMP for the length of an agent's run: started (or an SMP of the same job and node that outlived an
-earlier launcher reused) before the first ranks, stopped when the run ends, as launch_scripts/torchrun_inmem.sh
-does. Its snapshots stay in shared memory after a failure or a stop from outside, for a re-queued job."""
+earlier launcher reused) before the first ranks, started again should it die, stopped when the run ends, as
+launch_scripts/torchrun_inmem.sh does. Its snapshots stay in shared memory after a failure or a stop from
+outside, for a re-queued job; a new SMP adopts what a dead one left there."""
 from __future__ import annotations
 
 import os
@@ -21,11 +22,11 @@ class NodeSMP:
         self.job, self.node, self.socket, self.budget, self.extra, self.say = (job, node, socket, memory_budget,
                                                                                extra_args, say)
         self.pid: int | None = None
+        # The per-job secret goes to the SMP alone: it leaves this process's environment, which the ranks inherit.
+        self._secrets = {k: os.environ.pop(k) for k in SECRETS if k in os.environ}
 
     def start(self) -> None:
-        """Start it through `inmem-ft smp start` (its options, EC included, checked there). The per-job secret
-        goes to the SMP alone: it leaves this process's environment, which the ranks inherit."""
-        secrets = {k: os.environ.pop(k) for k in SECRETS if k in os.environ}
+        """Start it through `inmem-ft smp start` (its options, EC included, checked there)."""
         found = control.ping(self.socket)
         if found:
             self.pid = found.get("pid")
@@ -36,14 +37,19 @@ class NodeSMP:
                                  "INMEM_FT_MEMORY_BUDGET), the shared memory it may use, e.g. 64GiB")
         cmd = [sys.executable, "-m", "inmem_ft", "smp", "start", "--job", self.job, "--node", str(self.node),
                "--socket", self.socket, "--memory-budget", self.budget, *self.extra]
-        proc = subprocess.run(cmd, env={**os.environ, **secrets}, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True)
+        proc = subprocess.run(cmd, env={**os.environ, **self._secrets}, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True)
         out = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
         if proc.returncode != 0:
             raise SMPUnavailable(f"the SMP did not start: {out}")
         m = re.search(r"pid (\d+)", out)
         self.pid = int(m.group(1)) if m else None
         self.say(f"event=smp_started pid={self.pid} socket={self.socket}")
+
+    def alive(self) -> bool:
+        """Whether the SMP this agent started or reused still runs (a look at /proc: cheap enough for every
+        poll, and never blocked by an SMP that is slow to answer)."""
+        return self.pid is None or _state(self.pid) not in ("", "Z", "X")
 
     def stop(self, wipe: bool, signalled: bool) -> None:
         """Stopped from outside (a preemption, scancel): SIGTERM, on which the SMP first spills its newest complete
