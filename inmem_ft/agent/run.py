@@ -71,7 +71,10 @@ def options(args):
         paths.check_job(job)
     except ValueError as e:
         raise InmemFTError(str(e)) from None
-    node = int(os.environ.get("INMEM_FT_NODE", args.node_rank))  # the SMP's node id; the launch script's own
+    node = os.environ.get("INMEM_FT_NODE", str(args.node_rank))  # the SMP's node id; the launch script's own
+    if not node.isdigit():
+        raise InmemFTError(f"INMEM_FT_NODE / --node-rank {node!r} must be a non-negative integer")
+    node = int(node)
     os.environ.setdefault("INMEM_FT_SMP_SOCKET", paths.default_socket(job, node))
     work_dir = args.work_dir or os.path.join(paths.job_dir(job), f"agent-node{node}")
     return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
