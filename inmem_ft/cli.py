@@ -427,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quiet", action="store_true", help="no progress bar (default: one on stderr)")
     export.set_defaults(fn=cmd_export)
 
+    # Listed here for --help; main() hands `run`'s arguments to torchrun's parser (agent/run.py) untouched.
+    sub.add_parser("run", add_help=False, help="torchrun with inmem_ft's agent: starts the node's SMP, restarts "
+                                               "failed or hung ranks, reports the time each failure cost "
+                                               "(`inmem-ft run --help`)")
+
     launch = sub.add_parser("launch", help="run a job on simulated nodes on this machine, inject failures, "
                                            "recover, and print the timeline")
     launch.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: %(default)s)")
@@ -487,6 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        from .agent.run import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

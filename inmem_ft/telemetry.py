@@ -7,9 +7,11 @@ here too.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [inmem_ft] %(message)s"
@@ -25,11 +27,24 @@ class Heartbeat:
     @classmethod
     def from_env(cls, rank: int) -> "Heartbeat | None":
         directory = os.environ.get(HEARTBEAT_DIR)
-        return cls(directory, rank) if directory else None
+        if not directory:
+            return None
+        dump_stacks_on(STACK_SIGNAL)
+        return cls(directory, rank)
 
     def beat(self, **fields) -> None:
         self.state.update(fields, time=time.time())
         write_record(self.path, self.state)
+
+
+STACK_SIGNAL = signal.SIGUSR1  # a supervisor that finds this rank hung asks for its stacks with it
+
+
+def dump_stacks_on(signum: int) -> None:
+    """Print every thread's Python stack to stderr (the rank's log) on `signum`, from C, so that also a rank
+    stuck holding the GIL answers. Only where nothing else handles the signal: it is the application's first."""
+    if signal.getsignal(signum) == signal.SIG_DFL:
+        faulthandler.register(signum, all_threads=True, chain=False)
 
 
 def write_record(path: str, record: dict) -> None:

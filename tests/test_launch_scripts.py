@@ -141,6 +141,24 @@ def test_rank_killed_torchrun_restarts_all_and_resumes_bit_identical(nodes, clea
         assert "event=smp_stopped wiped=1" in out
         assert not smp_alive(nodes.runtime_dir, nodes.job, node)
     assert names_with_prefix(f"inmemft.{nodes.job}.") == []
+    for node, (_, out) in enumerate(results):  # each node's agent (inmem-ft run) reported what it cost there
+        assert f"[inmem_ft] agent node={node} event=time_lost failure=" in out, out
+
+
+def test_hung_rank_is_dumped_killed_and_every_rank_restarts_bit_identical(nodes, clean_run, runtime):
+    """Rank 1 (node 1) stops itself (SIGSTOP) after step 7; its peer on node 0 then waits in a collective.
+    Both agents see their rank's heartbeat go stale, print its stacks, kill it, and the job resumes."""
+    log = runtime / "loss.jsonl"
+    results = nodes.run(EXAMPLE + ["--loss-log", str(log), "--hang-at", str(DIE_AT), "--die-rank", "1"],
+                        INMEM_FT_WIPE_ON_EXIT=1, INMEM_FT_HANG_TIMEOUT=3)
+    for rc, out in results:
+        assert rc == 0, out
+    # c10d numbers the nodes itself (both are 127.0.0.1 here): rank 1 runs under either launcher.
+    out1 = next((out for _, out in results if "event=hang ranks=1 " in out), "\n".join(o for _, o in results))
+    assert f"event=hang ranks=1 timeout_s=3: rank 1 at step {DIE_AT}" in out1, out1
+    assert "plain_pytorch.py" in out1.split("event=hang_stack rank=1 ")[1], out1  # where it stopped
+    assert read_losses(log) == clean_run[1]
+    assert "time_lost failure=\"no heartbeat for over 3 s from rank(s) [1]" in out1
 
 
 def test_signalled_with_wipe_on_exit_spills_first_then_wipes(runtime, job):

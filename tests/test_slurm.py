@@ -129,9 +129,14 @@ def test_rank_killed_recovers_from_memory_with_the_same_losses(slurm, submit, tm
     j = submit()
     job_id = j.submit("--die-at", 7, "--die-rank", 3, wait=True)
     out = j.output(job_id)
-    assert "exitcode: -9" in out  # torchrun saw the SIGKILLed rank
+    assert "exitcode: -9" in out  # torch's agent saw the SIGKILLed rank
     for rank in range(4):
         assert f"restore rank={rank} step=6 source=memory" in out
+    # Each node's agent (inmem-ft run) reported what the failure cost it, every part measured.
+    for node in (0, 1):
+        lost = re.search(rf"\[inmem_ft\] agent node={node} event=time_lost failure=\"([^\"]*)\" ([\d.]+) s lost: (.*)",
+                         out)
+        assert lost and "not measured" not in lost.group(3), out
     steps = steps_run(j.loss_log)
     assert steps == list(range(1, 8)) + list(range(7, STEPS + 1))
     assert read_losses(j.loss_log) == ref

@@ -37,7 +37,9 @@ def main() -> None:
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
-    p.add_argument("--die-rank", type=int, default=0)
+    p.add_argument("--die-rank", type=int, default=0, help="the rank --die-at or --hang-at acts on")
+    p.add_argument("--hang-at", type=int, default=None,
+                   help="failure injection: SIGSTOP self after this step (first torchrun attempt only): a hung rank")
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
     p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
@@ -45,7 +47,7 @@ def main() -> None:
                                                      "tensor under its shard-map key (torch.save) to PATH")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
+        args.die_at = args.hang_at = None  # torchrun restarted us after the injected failure: do not fail again
 
     inmem_ft.log_to_stderr()  # snapshot and restore lines in each rank's log
     dist.init_process_group("gloo")
@@ -86,9 +88,9 @@ def main() -> None:
         snap.maybe_save(step, lambda: {"train": shared(train_state(model, opt, sched, rank, args.dp_split)),
                                        "rng": inmem_ft.capture_rng_state(), "step": step},
                         overlap=args.overlap)
-        if step == args.die_at and rank == args.die_rank:
+        if step in (args.die_at, args.hang_at) and rank == args.die_rank:
             snap.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL if step == args.die_at else signal.SIGSTOP)
     snap.close()
     if args.dump_full and rank == 0:
         model_sd, opt_sd = annotate.model_and_optimizer(model, opt)

@@ -11,9 +11,11 @@
 #   2. starts this node's SMP (`python -m inmem_ft smp start`), an owner-only daemon that holds the
 #      ranks' in-memory snapshots; if one already serves this job and node (a re-queued job whose
 #      previous launcher was killed), it is reused;
-#   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun
-#      with --max-restarts: when a worker fails, torchrun stops the survivors and restarts every rank,
-#      and the restarted ranks restore from the SMPs, which outlive the restarts;
+#   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun's
+#      agent with inmem_ft's (`inmem-ft run`, torchrun's options) with --max-restarts: when a worker fails
+#      or hangs (no heartbeat for INMEM_FT_HANG_TIMEOUT seconds: its stacks go to the log, then it is
+#      killed), the agent stops the survivors and restarts every rank, and the restarted ranks restore from
+#      the SMPs, which outlive the restarts; the agent logs the time each failure cost, part by part;
 #   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
 #      with SIGTERM, so that it writes its newest complete step to INMEM_FT_PERSIST_DIR first). A job that
 #      finished (torchrun exit code 0, no signal) has its snapshots released; after a failure or a stop from
@@ -48,7 +50,12 @@
 #                           old name, still works in this release (with a deprecation line).
 #   INMEM_FT_RUNTIME_DIR    where SMP sockets and logs go (default $XDG_RUNTIME_DIR/inmem_ft or
 #                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
-#   PYTHON, TORCHRUN        the interpreter and torchrun to use (default: `python`, `torchrun` on PATH)
+#   INMEM_FT_HANG_TIMEOUT   seconds without a heartbeat (one per step) after which a rank is hung (default 300;
+#                           0: off)
+#   INMEM_FT_AGENT          inmem (default: `inmem-ft run`) or torchrun (plain torchrun: no hang detection,
+#                           no time-lost report)
+#   PYTHON, TORCHRUN        the interpreter, and the torchrun INMEM_FT_AGENT=torchrun uses (default: `python`,
+#                           `torchrun` on PATH)
 #   TORCHRUN_ARGS           extra torchrun arguments (split on whitespace), e.g. "--log-dir /tmp/tr"
 #
 # Rendezvous: with c10d (the default) torchrun assigns node ranks itself, ignoring NODE_RANK, in the
@@ -59,7 +66,8 @@
 # handling (the survivors restart when their collectives fail, not when the agents notice).
 #
 # Log lines on stderr: "[inmem_ft] launch node=N event=..." (start, smp_started, smp_reused, torchrun,
-# signal, torchrun_exit, smp_stopped, error).
+# signal, torchrun_exit, smp_stopped, error); the agent's on stdout: "[inmem_ft] agent node=N event=..."
+# (hang, hang_stack, time_lost).
 # Exit code: torchrun's; 2 for bad input; 3 if the SMP could not be started.
 set -uo pipefail
 
@@ -90,6 +98,7 @@ MAX_RESTARTS="${INMEM_FT_MAX_RESTARTS:-3}"
 RDZV_BACKEND="${INMEM_FT_RDZV_BACKEND:-c10d}"
 PYTHON="${PYTHON:-python}"
 TORCHRUN="${TORCHRUN:-torchrun}"
+AGENT="${INMEM_FT_AGENT:-inmem}"
 
 [[ -n "$INMEM_FT_JOB" ]] || fail 2 "INMEM_FT_JOB is not set: give the job a id (the same on every node)"
 [[ "$INMEM_FT_JOB" =~ ^[A-Za-z0-9_-]{1,64}$ ]] \
@@ -112,7 +121,13 @@ fi
 [[ "$RDZV_BACKEND" == c10d || "$RDZV_BACKEND" == static ]] \
     || fail 2 "INMEM_FT_RDZV_BACKEND='$RDZV_BACKEND' must be c10d or static"
 command -v "$PYTHON" >/dev/null || fail 2 "PYTHON='$PYTHON' not found on PATH"
-command -v "$TORCHRUN" >/dev/null || fail 2 "TORCHRUN='$TORCHRUN' not found on PATH"
+[[ "$AGENT" == inmem || "$AGENT" == torchrun ]] || fail 2 "INMEM_FT_AGENT='$AGENT' must be inmem or torchrun"
+if [[ "$AGENT" == torchrun ]]; then
+    command -v "$TORCHRUN" >/dev/null || fail 2 "TORCHRUN='$TORCHRUN' not found on PATH"
+    launcher=("$TORCHRUN")
+else  # this script starts and stops the SMP; the agent points the ranks at it
+    launcher=("$PYTHON" -m inmem_ft run --no-smp --job "$INMEM_FT_JOB")
+fi
 
 # The secret: read here, then removed from this shell's environment; only the SMP gets it.
 secret=""
@@ -238,7 +253,7 @@ if [[ "$RDZV_BACKEND" == c10d ]]; then
 else
     rdzv+=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
 fi
-cmd=("$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${rdzv[@]}"
+cmd=("${launcher[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${rdzv[@]}"
      --max-restarts="$MAX_RESTARTS" "${torchrun_extra[@]}" "$@")
 log "torchrun cmd=\"${cmd[*]}\""
 

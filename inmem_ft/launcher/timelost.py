@@ -5,7 +5,8 @@ Every boundary is a timestamp this run recorded (time.time(), one clock for ever
     failure            the supervisor sent the signal (an injected failure), or the failed rank exited (a crash)
     detected           the supervisor noticed the exit, or the heartbeat timeout expired
     stopped            every surviving rank was killed and reaped
-    launched           the supervisor began starting the ranks of the restart (after any replacement SMP)
+    launched           the supervisor began starting the ranks of the restart (after any replacement SMP; under
+                       torch's elastic agent, after the agents' rendezvous: that part is named so)
     rendezvous start   the last rank called init_process_group (its worker's record)
     rendezvous end     the last rank's init_process_group returned (its worker's record)
     restore start      the last rank began its restore (its `restore rank=... seconds=T` log line, less T)
@@ -43,6 +44,7 @@ class Restart:
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
     protected: int | None = None  # with erasure coding: the newest step protected on every node at the failure
+    relaunch: str = "node replacement"  # what happens between the teardown and the start of the new ranks
 
 
 @dataclass
@@ -67,6 +69,8 @@ def restore_span(log: str) -> tuple[float, float, int, dict] | None:
 
 def _latest(values: dict[int, float | None], what: str) -> tuple[float | None, str]:
     """The last rank's time (the restart waits for it), or None and which ranks did not record it."""
+    if not values:
+        return None, f"{what} not recorded: no rank was started again"
     missing = sorted(r for r, v in values.items() if v is None)
     if missing:
         return None, f"{what} not recorded by rank(s) {missing}"
@@ -95,7 +99,7 @@ def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], 
     back, back_note = _back(restart, losses, restored_step, bounds[-1], end_note)
     bounds.append(back)
     notes.append(back_note)
-    parts, total = _parts(bounds, notes)
+    parts, total = _parts(bounds, notes, (*PARTS[:2], restart.relaunch, *PARTS[3:]))
     slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
     return {"failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
             "restored_step": restored_step, "protected_step": restart.protected,
@@ -132,18 +136,18 @@ def _back(restart: Restart, losses: list[dict], restored_step: int | None, resto
     return again, ""
 
 
-def _parts(bounds: list[float | None], notes: list[str]) -> tuple[list[dict], float | None]:
+def _parts(bounds: list[float | None], notes: list[str], names: tuple[str, ...]) -> tuple[list[dict], float | None]:
     """Parts between consecutive recorded boundaries, merging across unrecorded ones; the total from the first
     recorded boundary to the last (None unless both the failure and the recovery were recorded)."""
     known = [i for i, b in enumerate(bounds) if b is not None]
-    parts = [{"part": PARTS[i], "seconds": None, "note": notes[i]} for i in range(known[0])]
+    parts = [{"part": names[i], "seconds": None, "note": notes[i]} for i in range(known[0])]
     prev = bounds[known[0]]
     for a, b in zip(known, known[1:]):
         end = max(bounds[b], prev)  # two clocks' resolutions may put a later mark a hair earlier
         missing = "; ".join(notes[i] for i in range(a + 1, b) if notes[i])
-        parts.append({"part": " + ".join(PARTS[a:b]), "seconds": end - prev, "note": missing})
+        parts.append({"part": " + ".join(names[a:b]), "seconds": end - prev, "note": missing})
         prev = end
-    parts += [{"part": PARTS[i], "seconds": None, "note": notes[i + 1]} for i in range(known[-1], len(PARTS))]
+    parts += [{"part": names[i], "seconds": None, "note": notes[i + 1]} for i in range(known[-1], len(names))]
     complete = bounds[0] is not None and bounds[-1] is not None
     return parts, (prev - bounds[0] if complete else None)
 

@@ -29,8 +29,20 @@ import time
 from ..telemetry import read_record, write_record
 
 RECORD = "INMEM_FT_WORKER_RECORD"  # where the worker writes its record; set by the launcher per rank and attempt
+# torch's elastic agent (`inmem-ft run`) gives every local rank one environment: the record is then
+# RECORD_DIR/rank<RANK>.json
+RECORD_DIR = "INMEM_FT_WORKER_RECORD_DIR"
 MODULES_EVERY_S = 0.5  # how often a rank's record gets its newly imported modules
 FOLLOW_S = 1.0  # how often a waiting standby looks for modules its rank imported since
+
+
+def record_path() -> str | None:
+    """Where this process's record goes: $INMEM_FT_WORKER_RECORD, else one file per rank under
+    $INMEM_FT_WORKER_RECORD_DIR, else nowhere."""
+    if os.environ.get(RECORD):
+        return os.environ[RECORD]
+    directory = os.environ.get(RECORD_DIR)
+    return os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.json") if directory else None
 
 
 def runnable(argv: list[str]) -> bool:
@@ -198,7 +210,7 @@ def main() -> None:
     if args[:1] == ["--standby"] and len(args) == 2:
         standby(args[1])
     elif args[:1] == ["--"] and runnable(args[1:]):
-        run(args[1:], Record(os.environ.get(RECORD), standby=False))
+        run(args[1:], Record(record_path(), standby=False))
     else:
         sys.exit("usage: python -m inmem_ft.launcher.worker (-- -m MODULE ARGS... | -- SCRIPT ARGS... | "
                  "--standby RECORD)")

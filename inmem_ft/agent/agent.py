@@ -1,0 +1,173 @@
+"""torch's elastic agent (what torchrun runs), with what inmem_ft adds on each node: the node's SMP for the length
+of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), and the
+time each failure costs (clock.py). Restarts are torch's own: every local rank stops, the agents rendezvous
+again, every rank starts anew and restores from the SMPs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from .. import telemetry
+from ..launcher.worker import RECORD_DIR
+from . import hangs
+from .clock import RecoveryClock
+from .node_smp import NodeSMP
+
+KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
+
+
+@dataclass
+class AgentOptions:
+    job: str
+    node: int
+    socket: str
+    own_smp: bool  # else someone else starts and stops it
+    memory_budget: str | None
+    smp_args: list[str]
+    hang_timeout_s: float  # 0: off
+    dump_wait_s: float
+    work_dir: str
+    wipe_on_exit: str  # finished, 1 or 0
+
+
+class InmemAgent(LocalElasticAgent):
+    def __init__(self, *args, options: AgentOptions, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.opts = options
+        self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
+                           self.say) if options.own_smp else None
+        self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say)
+        self._attempt = 0
+        self._hb_dir = ""
+        self._alive_at: float | None = None  # the last poll that found every local rank running
+
+    def say(self, text: str) -> None:
+        """One `[inmem_ft] agent node=N event=...` line in the job's log."""
+        print(f"[inmem_ft] agent node={self.opts.node} {text}", flush=True)
+
+    def run(self, *args, **kwargs) -> RunResult:
+        os.makedirs(self.opts.work_dir, exist_ok=True)
+        if self.smp:
+            self.smp.start()
+        os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
+                           "INMEM_FT_SMP_SOCKET": self.opts.socket})
+        result, signalled = None, False
+        try:
+            result = super().run(*args, **kwargs)
+            return result
+        except SignalException:
+            signalled = True
+            raise
+        finally:
+            self.clock.close()
+            if self.smp:
+                finished = result is not None and result.state == WorkerState.SUCCEEDED
+                wipe = self.opts.wipe_on_exit == "1" or (self.opts.wipe_on_exit == "finished" and finished
+                                                         and not signalled)
+                self.smp.stop(wipe, signalled)
+
+    # ---- torch's hooks ------------------------------------------------------------------------------------
+    def _start_workers(self, worker_group, *args, **kwargs):
+        self._attempt += 1
+        attempt_dir = os.path.join(self.opts.work_dir, f"attempt{self._attempt}")
+        self._hb_dir = os.path.join(attempt_dir, "heartbeats")
+        os.makedirs(self._hb_dir, exist_ok=True)
+        # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
+        os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
+        launched_at = time.time()
+        pids = super()._start_workers(worker_group, *args, **kwargs)
+        self._alive_at = None
+        logs = self._pcontext.stderrs
+        self.clock.launched(self._attempt, launched_at, {
+            w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
+            for w in worker_group.workers})
+        return pids
+
+    def _stop_workers(self, worker_group, *args, **kwargs):
+        super()._stop_workers(worker_group, *args, **kwargs)
+        self.clock.stopped()
+
+    def _restart_workers(self, worker_group, *args, **kwargs):
+        if not self.clock.pending:  # this node's ranks are well: another node's agent asked for a new round
+            self.clock.failed("a peer node asked for a new rendezvous round", self._beats(worker_group),
+                              note="the failure was on another node: counted from this node's notice of it")
+        super()._restart_workers(worker_group, *args, **kwargs)
+
+    def _monitor_workers(self, worker_group, *args, **kwargs) -> RunResult:
+        polled_at = time.time()
+        result = super()._monitor_workers(worker_group, *args, **kwargs)
+        beats = self._beats(worker_group)
+        if self.smp and not self.smp.alive():
+            lost = self.smp.pid
+            self.say(f"event=smp_lost pid={lost}: starting a new one, then restarting the ranks")
+            self.smp.start()  # before torch starts new ranks, which need it
+            if result.state == WorkerState.HEALTHY:
+                return self._recover_smp(worker_group, beats, lost)
+        if result.state == WorkerState.HEALTHY:
+            self._alive_at = polled_at
+            self.clock.poll(beats)
+            hung = hangs.stale(beats, time.time(), self.opts.hang_timeout_s) if self.opts.hang_timeout_s else []
+            if hung:
+                return self._recover_hang(worker_group, beats, hung)
+        elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            seen = "a crash comes after the last poll that found every rank alive: counted from there"
+            self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
+        return result
+
+    # ---- hangs --------------------------------------------------------------------------------------------
+    def _recover_hang(self, worker_group, beats: dict[int, dict], hung: list[int]) -> RunResult:
+        """Dump the hung ranks' stacks into their logs and the agent's, kill them, and hand torch an ordinary
+        failed rank (so that a hang past the last restart fails the job, as a crash does)."""
+        now = time.time()
+        local = {w.global_rank: w.local_rank for w in worker_group.workers}
+        what = ", ".join(f"rank {r} at step {beats[r].get('step', 0)}, last beat {now - beats[r]['time']:.1f} s ago"
+                         for r in hung)
+        cause = f"no heartbeat for over {self.opts.hang_timeout_s:g} s from rank(s) {hung} (hung: {what})"
+        self.clock.failed(cause, beats, failed_at=min(beats[r]["time"] for r in hung),
+                          note="a hung rank hangs after its last heartbeat: counted from that beat")
+        self.say(f"event=hang ranks={','.join(map(str, hung))} timeout_s={self.opts.hang_timeout_s:g}: {what}")
+        logs = self._pcontext.stderrs
+        stacks = hangs.dump_and_kill({beats[r]["pid"]: logs.get(local[r], "") for r in hung}, self.opts.dump_wait_s)
+        for r in hung:
+            stack = stacks[beats[r]["pid"]]
+            self.say(f"event=hang_stack rank={r} pid={beats[r]['pid']}:\n{stack or '(no stack came: see its log)'}")
+        return self._failed_result(worker_group)
+
+    def _failed_result(self, worker_group) -> RunResult:
+        """What torch's monitor says once the killed ranks are gone: an ordinary failure."""
+        deadline = time.monotonic() + KILL_WAIT_S
+        while True:
+            result = super()._monitor_workers(worker_group)
+            if result.state != WorkerState.HEALTHY or time.monotonic() > deadline:
+                return result if result.state != WorkerState.HEALTHY else RunResult(state=WorkerState.UNHEALTHY)
+            time.sleep(0.05)
+
+    # ---- the SMP ------------------------------------------------------------------------------------------
+    def _recover_smp(self, worker_group, beats: dict[int, dict], lost: int) -> RunResult:
+        """The node's SMP died under running ranks and a new one adopted the snapshots the dead one left in shared
+        memory: the ranks, whose connections died with it, restart (killed here: a crash for torch)."""
+        self.clock.failed(f"the node's SMP (pid {lost}) died", beats, self._alive_at,
+                          "the SMP died after the last poll that found it running: counted from there")
+        for pid in self._pcontext.pids().values():
+            hangs.kill(pid)
+        return self._failed_result(worker_group)
+
+    def _beats(self, worker_group) -> dict[int, dict]:
+        if self._pcontext is None or not self._hb_dir:
+            return {}
+        by_local = self._pcontext.pids()
+        pids = {w.global_rank: by_local.get(w.local_rank) for w in worker_group.workers}
+        return hangs.beats_of(self._hb_dir, pids)
+
+
+def _describe(result: RunResult) -> str:
+    if not result.failures:
+        return f"the worker group became {result.state.name}"
+    return "; ".join(f"rank {rank} exited with {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+                     for rank, f in sorted(result.failures.items()))

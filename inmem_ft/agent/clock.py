@@ -1,0 +1,85 @@
+"""The time each failure costs on this node, as the agent sees it: the boundaries of launcher/timelost.py
+recorded from the agent's hooks, the rest from its ranks' records, logs and heartbeats.
+
+    failure    a hung rank's last heartbeat; for a crash, the last poll that found every local rank running
+               (the crash came after it, within the monitor interval)
+    detected   the monitor found a rank failed or hung, or a peer node's agent asked for a new round
+    stopped    the local ranks are stopped
+    launched   the agents' rendezvous is done and the new ranks are being started
+    ...        the ranks' rendezvous and restore (their records and logs)
+    back       every local rank's heartbeat is at the step the node had reached (to the monitor interval)
+"""
+from __future__ import annotations
+
+import time
+
+from ..launcher import timelost
+from ..telemetry import read_record, write_record
+
+RELAUNCH = "agent rendezvous"
+
+
+class RecoveryClock:
+    def __init__(self, json_path: str, say):
+        """`say`: where each failure's one-line report goes (the agent's log)."""
+        self.json_path, self.say = json_path, say
+        self.splits: list[dict] = []
+        self._restart: timelost.Restart | None = None
+        self._ranks: dict[int, tuple[str, str]] = {}  # the restart's ranks: global rank -> (record, stderr log)
+        self._back: list[dict] = []
+
+    @property
+    def pending(self) -> bool:
+        return self._restart is not None
+
+    def failed(self, cause: str, beats: dict[int, dict], failed_at: float | None = None, note: str = "") -> None:
+        """A failure was detected now; `beats`: the local ranks' last heartbeats (what they had reached)."""
+        if self._restart is not None:  # it failed again before training got back
+            self._finish(f"the restart failed ({cause}) before training got back to that step")
+        now = time.time()
+        reached = max((b.get("step", 0) for b in beats.values()), default=None)
+        if failed_at is None and not note:
+            note = "when it failed is unknown (it died before its first poll): counted from its detection"
+        self._restart = timelost.Restart(cause, failed_at, now, now, reached, note, relaunch=RELAUNCH)
+        self._ranks, self._back = {}, []  # the failed attempt's ranks are not the restart's
+
+    def stopped(self) -> None:
+        if self._restart is not None:
+            self._restart.stopped_at = time.time()
+
+    def launched(self, attempt: int, at: float, ranks: dict[int, tuple[str, str]]) -> None:
+        """The restart's ranks began to start `at`: `ranks` maps each to its worker record and its stderr log."""
+        if self._restart is not None:
+            self._restart.attempt, self._restart.launched_at = attempt, at
+            self._ranks, self._back = ranks, []
+
+    def poll(self, beats: dict[int, dict]) -> None:
+        """Training is back once every local rank beat at (or past) the step reached."""
+        r = self._restart
+        if r is None or r.launched_at is None or len(beats) < len(self._ranks) or not beats:
+            return
+        step = min(b.get("step", 0) for b in beats.values())
+        if r.reached is None or step >= r.reached:
+            self._back = [{"step": step, "time": max(b["time"] for b in beats.values())}]
+            self._finish()
+
+    def close(self) -> None:
+        if self._restart is not None:
+            self._finish("the run ended before training got back to that step")
+
+    def _finish(self, end_note: str = "") -> None:
+        restart, self._restart = self._restart, None
+        ranks = {rank: timelost.RankReport(read_record(record), _read(log))
+                 for rank, (record, log) in self._ranks.items()}
+        split = timelost.measure(restart, ranks, self._back, end_note)
+        self.splits.append(split)
+        self.say(f"event=time_lost failure=\"{restart.cause}\" {timelost.describe(split)} (json: {self.json_path})")
+        write_record(self.json_path, self.splits)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

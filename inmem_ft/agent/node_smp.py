@@ -1,0 +1,79 @@
+"""The node's SMP for the length of an agent's run: started (or an SMP of the same job and node that outlived an
+earlier launcher reused) before the first ranks, started again should it die, stopped when the run ends, as
+launch_scripts/torchrun_inmem.sh does. Its snapshots stay in shared memory after a failure or a stop from
+outside, for a re-queued job; a new SMP adopts what a dead one left there."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from ..errors import SMPUnavailable
+from ..smp import control
+
+SECRETS = ("INMEM_FT_SECRET", "INMEM_FT_SECRET_FILE")
+
+
+class NodeSMP:
+    def __init__(self, job: str, node: int, socket: str, memory_budget: str | None, extra_args: list[str], say):
+        self.job, self.node, self.socket, self.budget, self.extra, self.say = (job, node, socket, memory_budget,
+                                                                               extra_args, say)
+        self.pid: int | None = None
+        # The per-job secret goes to the SMP alone: it leaves this process's environment, which the ranks inherit.
+        self._secrets = {k: os.environ.pop(k) for k in SECRETS if k in os.environ}
+
+    def start(self) -> None:
+        """Start it through `inmem-ft smp start` (its options, EC included, checked there)."""
+        found = control.ping(self.socket)
+        if found:
+            self.pid = found.get("pid")
+            self.say(f"event=smp_reused socket={self.socket}")
+            return
+        if not self.budget:
+            raise SMPUnavailable("no SMP serves this job and node: give --memory-budget (or "
+                                 "INMEM_FT_MEMORY_BUDGET), the shared memory it may use, e.g. 64GiB")
+        cmd = [sys.executable, "-m", "inmem_ft", "smp", "start", "--job", self.job, "--node", str(self.node),
+               "--socket", self.socket, "--memory-budget", self.budget, *self.extra]
+        proc = subprocess.run(cmd, env={**os.environ, **self._secrets}, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True)
+        out = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
+        if proc.returncode != 0:
+            raise SMPUnavailable(f"the SMP did not start: {out}")
+        m = re.search(r"pid (\d+)", out)
+        self.pid = int(m.group(1)) if m else None
+        self.say(f"event=smp_started pid={self.pid} socket={self.socket}")
+
+    def alive(self) -> bool:
+        """Whether the SMP this agent started or reused still runs (a look at /proc: cheap enough for every
+        poll, and never blocked by an SMP that is slow to answer)."""
+        return self.pid is None or _state(self.pid) not in ("", "Z", "X")
+
+    def stop(self, wipe: bool, signalled: bool) -> None:
+        """Stopped from outside (a preemption, scancel): SIGTERM, on which the SMP first spills its newest complete
+        step to its spill directory, if it has one, and only then `wipe`. Otherwise it is asked to shut down."""
+        if control.ping(self.socket) is None:
+            self.say("event=smp_gone")
+            return
+        if signalled and self.pid:
+            os.kill(self.pid, signal.SIGTERM)
+            while os.path.exists(f"/proc/{self.pid}") and _state(self.pid) != "Z":
+                time.sleep(0.1)
+            if wipe:  # only now that it has spilled
+                from ..smp import inventory  # it imports the daemon: only here
+
+                inventory.remove(self.job, self.node)
+            self.say(f"event=smp_stopped wiped={int(wipe)} by=SIGTERM pid={self.pid}")
+            return
+        control.stop(self.socket, wipe=wipe)
+        self.say(f"event=smp_stopped wiped={int(wipe)}")
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line.split()[1] for line in f if line.startswith("State:")), "")
+    except OSError:
+        return ""

@@ -1,0 +1,134 @@
+"""`inmem-ft run`: torchrun with inmem_ft's agent. Every torchrun option and the rendezvous (c10d, static) are
+torch's own (its parser, config_from_args, launch_agent); the agent launch_agent builds is ours (agent.py).
+
+    inmem-ft run --nproc-per-node 8 --nnodes 2 --rdzv-endpoint node0:29500 --memory-budget 64GiB train.py ...
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shlex
+import sys
+
+from ..errors import InmemFTError
+from ..smp import paths
+
+WORKER = "inmem_ft.launcher.worker"
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "inmem-ft run"
+    p.description = "torchrun with inmem_ft's agent: the node's SMP, hang detection, the time lost per failure"
+    g = p.add_argument_group("inmem_ft")
+    env = os.environ.get
+    g.add_argument("--job", default=env("INMEM_FT_JOB"),
+                   help="job id, 1-64 of [A-Za-z0-9_-], the same on every node (default: $INMEM_FT_JOB, else "
+                        "--rdzv-id)")
+    g.add_argument("--memory-budget", default=env("INMEM_FT_MEMORY_BUDGET"), metavar="SIZE",
+                   help="shared memory this node's SMP may use, e.g. 64GiB; needed unless an SMP of this job "
+                        "and node already runs (default: $INMEM_FT_MEMORY_BUDGET)")
+    g.add_argument("--no-smp", action="store_true",
+                   help="the node's SMP is started and stopped by someone else (launch_scripts/torchrun_inmem.sh): "
+                        "the agent only points the ranks at it (default: the agent starts and stops it)")
+    g.add_argument("--smp-args", default=env("INMEM_FT_SMP_ARGS", ""), metavar="ARGS",
+                   help="more `inmem-ft smp start` arguments, e.g. \"--parity 1 --nodes 4 --peers ...\" "
+                        "(default: $INMEM_FT_SMP_ARGS)")
+    g.add_argument("--hang-timeout", type=_seconds, default=env("INMEM_FT_HANG_TIMEOUT", "300"), metavar="S",
+                   help="a rank whose heartbeat (one per step) is older than S seconds is hung: its stacks go to "
+                        "its log and the agent's, it is killed and the ranks restart; 0: off (default: 300, "
+                        "or $INMEM_FT_HANG_TIMEOUT)")
+    g.add_argument("--dump-wait", type=_seconds, default=1.0, metavar="S",
+                   help="seconds a hung rank has to print its stacks before it is killed (default: 1)")
+    g.add_argument("--work-dir", default=None, metavar="DIR",
+                   help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
+    g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=("finished", "1", "0"),
+                   help="when this node's snapshots leave shared memory as the run ends: finished (the ranks "
+                        "succeeded), 1 (always), 0 (never) (default: finished, or $INMEM_FT_WIPE_ON_EXIT)")
+    return p
+
+
+def options(args):
+    from .agent import AgentOptions
+
+    job = args.job or (args.rdzv_id if args.rdzv_id != "none" else None)
+    if not job:
+        raise InmemFTError("give the job an id: --job (or INMEM_FT_JOB, or --rdzv-id), the same on every node")
+    try:
+        paths.check_job(job)
+    except ValueError as e:
+        raise InmemFTError(str(e)) from None
+    node = os.environ.get("INMEM_FT_NODE", str(args.node_rank))  # the SMP's node id; the launch script's own
+    if not node.isdigit():
+        raise InmemFTError(f"INMEM_FT_NODE / --node-rank {node!r} must be a non-negative integer")
+    node = int(node)
+    os.environ.setdefault("INMEM_FT_SMP_SOCKET", paths.default_socket(job, node))
+    work_dir = args.work_dir or os.path.join(paths.job_dir(job), f"agent-node{node}")
+    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
+                        memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
+                        hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
+                        work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit)
+
+
+def through_worker(args) -> None:
+    """Run the training command through launcher/worker.py, which records when the rank's rendezvous began and
+    ended (the time-lost split). A --no-python or --run-path command runs as given."""
+    if args.no_python or args.run_path:
+        return
+    command = ["-m", args.training_script] if args.module else [args.training_script]
+    args.training_script_args = ["--", *command, *args.training_script_args]
+    args.training_script, args.module = WORKER, True
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .agent import InmemAgent
+
+    args = parser().parse_args(argv)
+    try:
+        opts = options(args)
+    except InmemFTError as e:
+        print(f"inmem-ft run: error: {e}", file=sys.stderr)
+        return 2
+    through_worker(args)
+    if not (args.redirects != "0" or args.tee != "0"):
+        args.tee = "3"  # rank logs in files (their restore lines and stacks) and on the console, as before
+    args.log_dir = args.log_dir or os.path.join(opts.work_dir, "logs")
+    # By default the ranks of every attempt share the rendezvous store, where the previous attempt's gloo/NCCL
+    # addresses are still found: a restarted rank connects to a dead port ("Connection refused") and the
+    # restarts are used up. A fresh store per round avoids that (as launch_scripts/torchrun_inmem.sh does).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # launch_agent builds its agent by this name, and offers no other way in: copying it would copy ~100 lines
+    # of torch that change between releases (DLRover and nvidia-resiliency-ext do).
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = functools.partial(InmemAgent, options=opts)
+    try:
+        torchrun.run(args)
+    except ChildFailedError as e:
+        print(f"inmem-ft run: error: {e.format_msg()}", file=sys.stderr)  # torchrun's report of the failures
+        return 1
+    except InmemFTError as e:
+        print(f"inmem-ft run: error: {e}", file=sys.stderr)
+        return 3
+    except SignalException as e:  # the ranks and the SMP are stopped already
+        return 128 + int(e.sigval)
+    finally:
+        launcher_api.LocalElasticAgent = original
+    return 0

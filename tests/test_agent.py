@@ -1,0 +1,182 @@
+"""Issue 25, items 1-3 on one node: `inmem-ft run` (torch's elastic agent with inmem_ft's) runs the plain PyTorch
+example with 2 ranks; a SIGKILLed rank and a hung (SIGSTOPped) rank are recovered from the SMP with losses
+bit-identical to the uninterrupted run, the hung rank's stack lands in the agent's log, and the time each
+failure cost is reported, its parts adding up to the total."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import ROOT
+from inmem_ft.agent import hangs
+from inmem_ft.smp.segments import names_with_prefix, unlink
+from inmem_ft.telemetry import read_losses
+
+STEPS, INTERVAL, FAIL_AT = 12, 3, 7  # the restart resumes from the snapshot of step 6
+HANG_TIMEOUT_S = 3
+EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]
+
+
+def agent_command(tmp, job, example_args=(), agent_args=()) -> tuple[list[str], dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
+    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "INMEM_FT_RUNTIME_DIR": str(tmp / "run")})
+    cmd = [sys.executable, "-m", "inmem_ft", "run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
+           "--job", job, "--memory-budget", "64MiB", "--work-dir", str(tmp / "work"), *agent_args,
+           *EXAMPLE, "--loss-log", str(tmp / "loss.jsonl"), *example_args]
+    return cmd, env
+
+
+def run_agent(tmp, job, example_args=(), agent_args=(), timeout_s=240) -> tuple[int, str]:
+    cmd, env = agent_command(tmp, job, example_args, agent_args)
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    finally:
+        for seg in names_with_prefix(f"inmemft.{job}."):
+            unlink(seg)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def time_lost(tmp) -> list[dict]:
+    with open(tmp / "work" / "time_lost.json") as f:
+        return json.load(f)
+
+
+def check_split(split: dict) -> None:
+    """Every part measured, and they add up to the total."""
+    assert split["total_s"] is not None and all(p["seconds"] is not None for p in split["parts"]), split
+    assert sum(p["seconds"] for p in split["parts"]) == pytest.approx(split["total_s"], abs=1e-6)
+    assert [p["part"] for p in split["parts"]] == ["detection", "teardown", "agent rendezvous", "start and imports",
+                                                   "rendezvous", "setup", "restore", "recompute"]
+    assert split["restored_step"] == FAIL_AT // INTERVAL * INTERVAL or split["restored_step"] >= FAIL_AT
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    rc, out = run_agent(tmp, f"t{uuid.uuid4().hex[:10]}")
+    assert rc == 0, out
+    assert "event=smp_started" in out and "event=smp_stopped wiped=1" in out
+    assert not (tmp / "work" / "time_lost.json").exists()  # written at a failure
+    return read_losses(tmp / "loss.jsonl")
+
+
+def test_killed_rank_restarts_through_torchs_agent_bit_identical_and_reports_time_lost(reference, tmp_path):
+    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"])
+    assert rc == 0, out
+    assert "failed (exitcode: -9) local_rank: 1" in out  # torch's agent saw the crash and restarted
+    assert "restore rank=1 step=6 source=memory" in out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "loss.jsonl")]
+    assert steps == [*range(1, FAIL_AT + 1), *range(FAIL_AT // INTERVAL * INTERVAL + 1, STEPS + 1)]
+    assert read_losses(tmp_path / "loss.jsonl") == reference
+    [split] = time_lost(tmp_path)
+    check_split(split)
+    assert "rank 1 exited with -9 (SIGKILL)" in split["failure"] and split["starts"] == {"cold": 2}
+    assert split["steps_recomputed"] == 1 and split["attempt"] == 2
+    assert "event=time_lost failure=" in out and " s lost: detection " in out
+
+
+@pytest.mark.slow
+def test_hung_rank_is_dumped_killed_and_recovered_bit_identical(reference, tmp_path):
+    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--hang-at", str(FAIL_AT), "--die-rank", "1"],
+                        ["--hang-timeout", str(HANG_TIMEOUT_S)])
+    assert rc == 0, out
+    assert f"event=hang ranks=0,1 timeout_s={HANG_TIMEOUT_S}: rank 0 at step {FAIL_AT}" in out
+    # The stopped rank's stack, from faulthandler in the rank, copied into the agent's log under its name.
+    stack = out.split("event=hang_stack rank=1 ")[1].split("[inmem_ft] agent")[0]
+    assert "plain_pytorch.py" in stack and "in main" in stack, out
+    assert read_losses(tmp_path / "loss.jsonl") == reference
+    [split] = time_lost(tmp_path)
+    check_split(split)
+    assert split["failure"].startswith(f"no heartbeat for over {HANG_TIMEOUT_S} s from rank(s) [0, 1]")
+    detection = split["parts"][0]["seconds"]
+    assert HANG_TIMEOUT_S <= detection < HANG_TIMEOUT_S + 3  # the monitor polls every 0.1 s; a loaded box lags
+
+
+def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
+    """A preemption or scancel: the agent stops its ranks, the SMP gets SIGTERM (it spills), exit 128 + 15."""
+    cmd, env = agent_command(tmp_path, job, ["--steps", "100000"], ["--wipe-on-exit", "1"])
+    env["INMEM_FT_SPILL_DIR"] = str(tmp_path / "spill")
+    out = tmp_path / "agent.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while max(read_losses(tmp_path / "loss.jsonl") if (tmp_path / "loss.jsonl").exists() else [0]) < 2 * INTERVAL:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert re.search(r"event=smp_stopped wiped=1 by=SIGTERM pid=\d+", text), text
+    assert names_with_prefix(f"inmemft.{job}.") == []
+    assert any(name.endswith(".slot") for name in os.listdir(tmp_path / "spill" / job / "node0"))
+
+
+@pytest.mark.slow
+def test_smp_killed_under_running_ranks_is_replaced_and_the_ranks_resume_from_what_it_left(tmp_path, job):
+    cmd, env = agent_command(tmp_path, job, ["--steps", "1500"])
+    out, log = tmp_path / "agent.out", tmp_path / "loss.jsonl"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (log.exists() and max(read_losses(log), default=0) >= 2 * INTERVAL):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        smp = int(re.search(r"event=smp_started pid=(\d+)", out.read_text()).group(1))
+        os.kill(smp, signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert f"event=smp_lost pid={smp}: starting a new one" in text and text.count("event=smp_started") == 2, text
+    assert re.search(r"restore rank=1 step=\d+ source=memory", text), text  # adopted from shared memory
+    logged = [json.loads(line) for line in open(log)]
+    first = {}
+    for rec in logged:  # a step run again after the restart has the very loss it had before
+        assert first.setdefault(rec["step"], rec["loss"]) == rec["loss"], rec
+    assert max(first) == 1500 and len(logged) > len(first)
+    [split] = time_lost(tmp_path)
+    assert split["failure"] == f"the node's SMP (pid {smp}) died" and split["total_s"] is not None, split
+
+
+def test_stale_is_a_function_of_the_clock():
+    beats = {0: {"time": 100.0}, 1: {"time": 95.0}, 2: {"time": 90.0, "done": True}}
+    assert hangs.stale(beats, 99.0, 5.0) == []
+    assert hangs.stale(beats, 100.5, 5.0) == [1]
+    assert hangs.stale(beats, 105.5, 5.0) == [0, 1]
+
+
+def test_beats_of_ignores_files_of_earlier_processes(tmp_path):
+    for rank, pid in ((0, 11), (1, 12)):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "pid": pid, "time": 1.0}))
+    assert list(hangs.beats_of(str(tmp_path), {0: 11, 1: 99})) == [0]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    ([], 2, "give the job an id"),
+    (["--job", "a/b"], 2, "job id 'a/b' must be 1-64 characters"),
+    (["--job", "ok", "--hang-timeout", "soon"], 2, "'soon' is not a number of seconds"),
+    (["--job", "{job}"], 3, "give --memory-budget"),
+])
+def test_bad_input_is_refused_with_one_line(runtime, job, args, code, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "PET_"))}
+    env["INMEM_FT_RUNTIME_DIR"] = str(runtime / "run")
+    proc = subprocess.run([sys.executable, "-m", "inmem_ft", "run", "--standalone",
+                           *[a.format(job=job) for a in args], "train.py"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
