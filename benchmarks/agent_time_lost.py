@@ -72,7 +72,7 @@ def main() -> int:
     args = p.parse_args()
     runs = report.alternating(MODES, args.repeat, lambda mode, i, work: one_run(mode, args.steps, work),
                               label=lambda mode: f"{mode}, kill -9 rank 1 after step {DIE_AT}")
-    results = {"machine": report.machine(), "repeat": args.repeat, "runs": runs,
+    results = {"repeat": args.repeat, "runs": runs,
                "median_loss_log_s": {m: statistics.median(r["loss_log_s"] for r in runs[m]) for m in MODES}}
     splits = [r["agent_split"] for r in runs["inmem"]]
     results["median_agent_split"] = {k: statistics.median(s[k] for s in splits) for k in splits[0]}

@@ -80,6 +80,13 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_NODE_ORDER", "`slurm_inmem.sbatch`", "set by the script", "`name=addr` list",
            "The allocation's nodes in torchrun's order; each node's task finds its `NODE_RANK` in it.",
            internal=True),
+    # `inmem-ft run` (the per-node agent) and the torchrun launch script that runs it.
+    EnvVar("INMEM_FT_HANG_TIMEOUT", "`inmem-ft run`, launch scripts", "`300`", "seconds",
+           "A rank whose heartbeat (one per step) is older than this is hung: its stacks go to the agent's log, "
+           "then it is killed and the node's ranks restart. Same as `inmem-ft run --hang-timeout`."),
+    EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
+           "`inmem` runs the node under `inmem-ft run`; `torchrun` under plain torchrun (no hang detection, no "
+           "time-lost report)."),
     # Set by `inmem-ft launch` (the simulated cluster) for the processes it starts.
     EnvVar("INMEM_FT_ATTEMPT", "`inmem-ft launch` workers", "set by the launcher", "count from 1",
            "Which attempt (restart) of the job a rank belongs to.", internal=True),
@@ -87,4 +94,6 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Where each rank's heartbeat file goes (hang detection).", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD", "`inmem-ft launch` workers", "set by the launcher", "path",
            "Where a worker records its start (time lost per failure).", internal=True),
+    EnvVar("INMEM_FT_WORKER_RECORD_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
+           "Where each local rank records its start, as `rank<RANK>.json` (time lost per failure).", internal=True),
 )
