@@ -364,8 +364,23 @@ def rewrite_readme(text: str) -> str:
     return _replace(text, FIGURES, readme_block(), "\n")
 
 
+def agent_time_lost() -> str:
+    """A killed rank through the torchrun launch script: `inmem-ft run` against plain torchrun, and the agent's
+    own split of the time lost."""
+    data = load()["agent_time_lost"]
+    runs = [[mode, ", ".join(f"{r['loss_log_s']:.2f}" for r in data["runs"][mode]),
+             f"{data['median_loss_log_s'][mode]:.2f}"] for mode in data["runs"]]
+    split = data["median_agent_split"]
+    parts = [k for k in split if k != "total_s"]
+    return (_table(["launcher (`INMEM_FT_AGENT`)", f"{data['repeat']} runs (s)", "median (s)"], runs)
+            + "\n\nThe agent's own split of the time lost (medians, s):\n\n"
+            + _table(parts, [[f"{split[k]:.3f}" for k in parts]])
+            + f"\n\nMeasured on: {where(data)}.")
+
+
 GENERATORS = {"benchmarks": render_page, "plan-llama3": plan_llama3, "plan-sensitivity": plan_sensitivity,
-              "plan-per-replica": plan_per_replica, "plan-inputs": plan_inputs, "scaling-nodes": scaling_nodes}
+              "plan-per-replica": plan_per_replica, "plan-inputs": plan_inputs, "scaling-nodes": scaling_nodes,
+              "agent-time-lost": agent_time_lost}
 
 
 def main() -> int:

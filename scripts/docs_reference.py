@@ -109,9 +109,9 @@ def _value(action: argparse.Action) -> str:
     return f"`{TYPE_NAMES.get(kind, 'VALUE')}`"
 
 
-def _options(parser: argparse.ArgumentParser) -> str:
+def _options(parser: argparse.ArgumentParser, actions: list[argparse.Action] | None = None) -> str:
     rows = []
-    for action in parser._actions:  # argparse offers no public walk of a parser's options
+    for action in actions or parser._actions:  # argparse offers no public walk of a parser's options
         if action.help == argparse.SUPPRESS or isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
         names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}` (positional)"
@@ -145,8 +145,22 @@ def cli() -> str:
     out = []
     for command, parser in _subcommands(root, "inmem-ft"):
         description = helps.get(command) or _nested_help(root, command)
+        if command == "inmem-ft run":
+            out += [f"### `{command}`", "", _cell(description or ""), "", _agent_options(), ""]
+            continue
         out += [f"### `{command}`", "", _cell(description or ""), "", _options(parser), ""]
     return "\n".join(out)
+
+
+def _agent_options() -> str:
+    """`inmem-ft run` parses torchrun's own arguments (torch.distributed.run) plus a group of ours: list ours."""
+    with _clean_env():
+        from inmem_ft.agent import run
+
+        parser = run.parser()
+    [ours] = [g for g in parser._action_groups if g.title == "inmem_ft"]
+    return ("Every `torchrun` option, as the installed torch defines it, and:\n\n"
+            + _options(parser, ours._group_actions))
 
 
 def _nested_help(root: argparse.ArgumentParser, command: str) -> str | None:
