@@ -64,6 +64,32 @@ def one_run(mode: str, steps: int, work: str) -> dict:
     return out
 
 
+def plot(results: dict, path: str) -> None:
+    """Each run's seconds per launcher, and the agent's split (medians) as one stacked bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (runs, split) = plt.subplots(1, 2, figsize=(10, 3), gridspec_kw={"width_ratios": [1, 2]})
+    for row, mode in enumerate(results["runs"]):
+        seconds = [r["loss_log_s"] for r in results["runs"][mode]]
+        runs.plot(seconds, [row] * len(seconds), "o", alpha=0.7)
+        runs.plot([results["median_loss_log_s"][mode]], [row], "k|", markersize=20)
+    runs.set_yticks(range(len(results["runs"])), list(results["runs"]))
+    runs.set_xlabel("s from step 7 to step 7 again")
+    colors, left = plt.get_cmap("tab10").colors, 0.0
+    parts = {k: v for k, v in results["median_agent_split"].items() if k != "total_s"}
+    for i, (part, seconds) in enumerate(parts.items()):
+        split.barh(0, seconds, left=left, color=colors[i % 10], label=part)
+        left += seconds
+    split.set_yticks([])
+    split.set_xlabel("inmem-ft run's split of the time lost (medians, s)")
+    split.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, frameon=False, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=3, help="runs per mode, alternating (default: 3)")
