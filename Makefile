@@ -1,5 +1,5 @@
 # The two entry points the README opens with.
-.PHONY: demo test test-full venv
+.PHONY: demo test test-full test-compat venv
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -12,3 +12,7 @@ test: venv
 
 test-full: venv
 	.venv/bin/python -m pytest -q -m "slow or not slow"
+
+# Every combination of tests/compat/matrix.toml, each in a venv of its own (docs/compatibility.md).
+test-compat: venv
+	.venv/bin/python scripts/compat_matrix.py

@@ -14,8 +14,8 @@ from .errors import ConfigError
 
 # Distribution name -> the releases tested (docs/deepspeed-checkpoint-flow.md, shared/MEGATRON.md).
 TESTED = {
-    "deepspeed": ">=0.19.8,<0.20",
-    "megatron-core": ">=0.19.2,<0.20",
+    "deepspeed": ">=0.16.9,<0.20",
+    "megatron-core": ">=0.17.1,<0.20",
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'
