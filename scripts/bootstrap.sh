@@ -18,6 +18,6 @@ python -m pip install -q -c "$pins" torch
 DS_BUILD_OPS=0 python -m pip install -q -c "$pins" -e '.[test]'
 # megatron-core 0.17-0.19 declare Python >= 3.12, yet their wheels install and run on 3.11 with the flag below
 # (shared/MEGATRON.md). Never nvidia-resiliency-ext: on 3.11 it breaks `import megatron.core`.
-python -m pip install -q -c "$pins" numpy psutil
+python -m pip install -q -c "$pins" numpy psutil pyyaml
 python -m pip install -q -c "$pins" --ignore-requires-python megatron-core
 echo "$want" > "$stamp"
