@@ -81,7 +81,7 @@ def run_tests(python: str, name: str) -> dict:
     passed, failed = 0, []
     for case in ET.parse(report).getroot().iter("testcase"):
         if any(child.tag in ("failure", "error", "skipped") for child in case):
-            failed.append(f"{case.get('classname')}::{case.get('name')}")
+            failed.append(f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}")  # the node id
         else:
             passed += 1
     return {"passed": passed, "failed": len(failed), "not_passed": failed}

@@ -61,12 +61,7 @@ def main() -> None:
     truth = torch.load(args.truth, weights_only=True)
     checked, mismatched = 0, []
     for name, param in engine.module.named_parameters():
-        fp32 = safe_get_full_fp32_param(param)
-        if fp32 is None and param.dtype == torch.float32 and args.zero_stage < 3:
-            # DeepSpeed before 0.19 maps no fp32 master to a ZeRO-1/2 fp32 model's parameters after a universal
-            # load; the parameters hold the master weights then (docs/compatibility.md)
-            fp32 = param.detach()
-        got = {f"optimizer.state.fp32_param.{name}": fp32}
+        got = {f"optimizer.state.fp32_param.{name}": safe_get_full_fp32_param(param)}
         for kind in ("exp_avg", "exp_avg_sq"):
             got[f"optimizer.state.{kind}.{name}"] = safe_get_full_optimizer_state(param, kind)
         if args.zero_stage < 3 and name in truth:  # the truth of a ZeRO-3 source has no plain weights

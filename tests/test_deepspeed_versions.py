@@ -1,5 +1,5 @@
-"""inmem_ft/integrations/deepspeed/versions.py: what the checkpoint engine is handed by each supported DeepSpeed
-release (a CheckpointCommitInfo from 0.18, the bare tag before), and the model states' set of sparse-module
+"""inmem_ft/integrations/deepspeed/versions.py: what the checkpoint engine is handed by each DeepSpeed release it
+runs on (a CheckpointCommitInfo from 0.18, the bare tag before), and the model states' set of sparse-module
 names, which a snapshot holds as a list and DeepSpeed gets back as a set. The releases themselves run in
 make test-compat; this runs on the installed one and on the tag strings older releases hand over."""
 import os

@@ -1,5 +1,7 @@
-"""What differs between the DeepSpeed releases the adapter supports (inmem_ft.compat.TESTED), in one place.
-Each difference was found running the `compat` tests of make test-compat (docs/compatibility.md).
+"""What differs between the DeepSpeed releases the adapter runs on, in one place. The supported ones
+(inmem_ft.compat.TESTED, docs/compatibility.md) are 0.18 and 0.19. Run untested (INMEM_FT_ALLOW_UNTESTED=1),
+0.17.6 saved, and resumed bit-identically from memory and from the disk tier, through the same code; its
+universal export did not load exactly. 0.16 differs as below and was not run.
 
 - What CheckpointEngine.create() and commit() are handed: from 0.18 a CheckpointCommitInfo (tag, save_dir,
   save_latest) to both; 0.17's save_checkpoint hands it to create() but the bare tag string to commit(); 0.16
