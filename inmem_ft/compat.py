@@ -15,8 +15,8 @@ from .errors import ConfigError
 # Distribution name -> the releases tested: from the oldest that make test-compat passes (tests/compat/matrix.toml,
 # docs/compatibility.md; tests/test_compat.py keeps them equal to its results).
 TESTED = {
-    "deepspeed": ">=0.18.9,<0.20",
-    "megatron-core": ">=0.18.2,<0.20",
+    "deepspeed": ">=0.19.8,<0.20",
+    "megatron-core": ">=0.19.2,<0.20",
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'

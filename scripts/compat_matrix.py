@@ -15,6 +15,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import xml.etree.ElementTree as ET
@@ -75,7 +76,10 @@ def run_tests(python: str, name: str) -> dict:
     env.pop("INMEM_FT_ALLOW_UNTESTED", None)  # each combination must pass the adapters' own version check
     if os.path.exists(report):
         os.remove(report)
-    subprocess.run([python, "-m", "pytest", "-q", "-m", "compat", f"--junitxml={report}"], cwd=ROOT, env=env)
+    # A basetemp of its own keeps the combination's logs after the run (pytest keeps only the newest three of
+    # its shared ones); under /tmp, since the SMPs' socket paths inside it must stay short.
+    subprocess.run([python, "-m", "pytest", "-q", "-m", "compat", f"--junitxml={report}",
+                    f"--basetemp={tempfile.gettempdir()}/inmem_ft-compat-{name}"], cwd=ROOT, env=env)
     if not os.path.exists(report):
         return {"passed": 0, "failed": 1, "not_passed": ["pytest wrote no report"]}
     passed, failed = 0, []

@@ -19,21 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("framework, version, tested", [
-    ("deepspeed", "0.18.9", True),
     ("deepspeed", "0.19.8", True),
     ("deepspeed", "0.19.9", True),
     ("deepspeed", "0.19.8+abc1234", True),  # a source build of a tested release
-    ("deepspeed", "0.18.8", False),
-    ("deepspeed", "0.17.6", False),
+    ("deepspeed", "0.19.7", False),
+    ("deepspeed", "0.18.9", False),
     ("deepspeed", "0.20.0", False),
     ("deepspeed", "0.20.0rc1", False),
     ("deepspeed", "not-a-version", False),
-    ("megatron-core", "0.18.2", True),
     ("megatron-core", "0.19.2", True),
     ("megatron-core", "0.19.5", True),
     ("megatron-core", "0.19.3+git1a2b3c", True),
-    ("megatron-core", "0.18.1", False),
-    ("megatron-core", "0.17.1", False),
+    ("megatron-core", "0.19.1", False),
+    ("megatron-core", "0.18.2", False),
     ("megatron-core", "0.20.0", False),
 ])
 def test_tested_ranges(framework, version, tested):

@@ -1,7 +1,6 @@
-"""What differs between the DeepSpeed releases the adapter runs on, in one place. The supported ones
-(inmem_ft.compat.TESTED, docs/compatibility.md) are 0.18 and 0.19. Run untested (INMEM_FT_ALLOW_UNTESTED=1),
-0.17.6 saved, and resumed bit-identically from memory and from the disk tier, through the same code; its
-universal export did not load exactly. 0.16 differs as below and was not run.
+"""What differs between the DeepSpeed releases the adapter runs on, in one place. The tested range is 0.19
+(inmem_ft.compat.TESTED); with INMEM_FT_ALLOW_UNTESTED=1 these differences let 0.17 and 0.18 save and resume
+through the same code (what the compatibility matrix found on them: docs/compatibility.md).
 
 - What CheckpointEngine.create() and commit() are handed: from 0.18 a CheckpointCommitInfo (tag, save_dir,
   save_latest) to both; 0.17's save_checkpoint hands it to create() but the bare tag string to commit(); 0.16
