@@ -46,7 +46,8 @@ def constraints(pins: dict) -> str:
 
 
 def build(combo: dict) -> str:
-    """The combination's venv, built (or kept, when its pins are unchanged) by scripts/bootstrap.sh."""
+    """The combination's venv, built (or kept, when its pins are unchanged) by scripts/bootstrap.sh, less the
+    distributions its `without` names."""
     pins = combo.get("pins", {})
     if not pins:
         return MAIN_VENV
@@ -56,6 +57,9 @@ def build(combo: dict) -> str:
     with open(path, "w") as f:
         f.write(constraints(pins))
     subprocess.run(["bash", os.path.join(ROOT, "scripts", "bootstrap.sh"), venv, path], check=True)
+    if combo.get("without"):
+        subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "uninstall", "-q", "-y", *combo["without"]],
+                       check=True)
     return venv
 
 
