@@ -117,6 +117,7 @@ def record(name: str, result: dict) -> None:
 
 def run(combo: dict) -> bool:
     name = combo["name"]
+    ran = commit()  # what the tests run, before anything can change the checkout
     print(f"[compat] {name}: building", flush=True)
     start = time.monotonic()
     try:
@@ -131,7 +132,7 @@ def run(combo: dict) -> bool:
     record(name, {**versions, **outcome, "build_s": round(built - start), "tests_s": round(time.monotonic() - built),
                   "date": datetime.date.today().isoformat(),
                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-                  "commit": commit()})
+                  "commit": ran})
     print(f"[compat] {name}: {outcome['passed']} passed, {outcome['failed']} not passed "
           f"{outcome['not_passed']} in {time.monotonic() - start:.0f} s", flush=True)
     return outcome["failed"] == 0
