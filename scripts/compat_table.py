@@ -31,8 +31,9 @@ def table(results: dict) -> str:
     machines = sorted({r["machine"] for r in results.values()})
     return "\n".join([
         f"The adapters accept DeepSpeed `{TESTED['deepspeed']}` and megatron-core `{TESTED['megatron-core']}` "
-        f"(`inmem_ft/compat.py`); each row is a combination `make test-compat` ran (`tests/compat/results.json`, "
-        f"on {'; '.join(machines)}; build time 0: an existing venv):",
+        f"(`inmem_ft/compat.py`);",
+        f"each row is a combination `make test-compat` ran (`tests/compat/results.json`, on {'; '.join(machines)};",
+        "build time 0: an existing venv; what failed and why: `docs/compatibility.md`):",
         "",
         *rows,
     ])
