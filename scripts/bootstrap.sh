@@ -9,7 +9,7 @@ pins=$(realpath "${2:-constraints.txt}")
 stamp=$venv/.inmem_ft-stamp
 want=$(cat pyproject.toml "$pins" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
-python3 -m venv --clear "$venv"
+python3 -m venv "$venv"
 . "$venv/bin/activate"
 python -m pip install -q --upgrade pip setuptools wheel
 # torch first, pinned by the constraints, so nothing later can pull another build.
