@@ -1,5 +1,5 @@
 # The two entry points the README opens with; `make docs` builds the documentation site.
-.PHONY: demo test test-full venv docs
+.PHONY: demo test test-full test-compat venv docs
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -22,3 +22,7 @@ docs: venv
 		.venv/bin/python -m pip install -q -r docs/requirements.txt && echo "$$want" > .venv/.docs-stamp; fi
 	.venv/bin/python benchmarks/render.py --check
 	NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict --quiet
+
+# Every combination of tests/compat/matrix.toml, each in a venv of its own (docs/compatibility.md).
+test-compat: venv
+	.venv/bin/python scripts/compat_matrix.py

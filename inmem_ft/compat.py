@@ -12,7 +12,8 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import ConfigError
 
-# Distribution name -> the releases tested (docs/design.md).
+# Distribution name -> the releases tested: from the oldest that make test-compat passes (tests/compat/matrix.toml,
+# docs/compatibility.md; tests/test_compat.py keeps them equal to its results).
 TESTED = {
     "deepspeed": ">=0.19.8,<0.20",
     "megatron-core": ">=0.19.2,<0.20",

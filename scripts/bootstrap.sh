@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Creates .venv with everything the demo and the tests need, from a fresh machine. Idempotent:
-# a stamp keyed on the dependency files skips the work when nothing changed.
+# Creates a venv with everything the demo and the tests need, from a fresh machine: .venv from constraints.txt
+# by default; `bootstrap.sh DIR CONSTRAINTS` builds DIR from another set of pins (make test-compat's
+# combinations). Idempotent: a stamp keyed on pyproject.toml and the pins skips the work when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-stamp=.venv/.inmem_ft-stamp
-want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+venv=${1:-.venv}
+pins=$(realpath "${2:-constraints.txt}")
+stamp=$venv/.inmem_ft-stamp
+want=$(cat pyproject.toml "$pins" | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
-python3 -m venv .venv
-. .venv/bin/activate
+python3 -m venv "$venv"
+. "$venv/bin/activate"
 python -m pip install -q --upgrade pip setuptools wheel
-# torch first, pinned, so nothing later can pull a CUDA build.
-python -m pip install -q -c constraints.txt torch==2.13.0
+# torch first, pinned by the constraints, so nothing later can pull another build.
+python -m pip install -q -c "$pins" torch
 # DeepSpeed is an sdist; DS_BUILD_OPS=0 skips its CUDA ops so it builds on a CPU-only machine.
-DS_BUILD_OPS=0 python -m pip install -q -c constraints.txt -e '.[test]'
-# megatron-core 0.19.2 declares Python >= 3.12, yet its wheel installs and runs on 3.11 with the flag below
+DS_BUILD_OPS=0 python -m pip install -q -c "$pins" -e '.[test]'
+# megatron-core 0.17-0.19 declare Python >= 3.12, yet their wheels install and run on 3.11 with the flag below
 # (shared/MEGATRON.md). Never nvidia-resiliency-ext: on 3.11 it breaks `import megatron.core`.
-python -m pip install -q -c constraints.txt 'numpy<2.4' psutil
-python -m pip install -q -c constraints.txt --ignore-requires-python megatron-core==0.19.2
+python -m pip install -q -c "$pins" numpy psutil pyyaml
+python -m pip install -q -c "$pins" --ignore-requires-python megatron-core
 echo "$want" > "$stamp"

@@ -1,15 +1,21 @@
-"""Issue 26 item 2: the adapters accept the tested release ranges (patch releases, local builds of a tested
-release), refuse others in one line naming the range and the opt-in, and run an untested one when opted in."""
+"""Issue 26 items 2 and 3: the adapters accept the tested release ranges (patch releases, local builds of a
+tested release), refuse others in one line naming the range and the opt-in, and run an untested one when opted
+in; the ranges and the supported-versions table are what the compatibility matrix passed."""
+import json
 import logging
 import os
 import subprocess
 import sys
 
 import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from inmem_ft import compat
 from inmem_ft.config import InmemFTBlock
 from inmem_ft.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("framework, version, tested", [
@@ -17,6 +23,7 @@ from inmem_ft.errors import ConfigError
     ("deepspeed", "0.19.9", True),
     ("deepspeed", "0.19.8+abc1234", True),  # a source build of a tested release
     ("deepspeed", "0.19.7", False),
+    ("deepspeed", "0.18.9", False),
     ("deepspeed", "0.20.0", False),
     ("deepspeed", "0.20.0rc1", False),
     ("deepspeed", "not-a-version", False),
@@ -24,6 +31,7 @@ from inmem_ft.errors import ConfigError
     ("megatron-core", "0.19.5", True),
     ("megatron-core", "0.19.3+git1a2b3c", True),
     ("megatron-core", "0.19.1", False),
+    ("megatron-core", "0.18.2", False),
     ("megatron-core", "0.20.0", False),
 ])
 def test_tested_ranges(framework, version, tested):
@@ -36,7 +44,7 @@ def test_untested_release_is_refused_in_one_line_naming_range_and_opt_in(monkeyp
         compat.check("deepspeed", "0.20.0", without="remove the inmem_ft block")
     said = str(e.value)
     assert "\n" not in said
-    assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said
+    assert f"deepspeed 0.20.0 is not supported (tested: deepspeed{compat.TESTED['deepspeed']})" in said
     assert "INMEM_FT_ALLOW_UNTESTED=1" in said and '"allow_untested": true' in said
     assert said.endswith("or remove the inmem_ft block")
 
@@ -49,7 +57,7 @@ def test_opt_in_runs_an_untested_release_with_one_warning(monkeypatch, caplog, h
     with caplog.at_level(logging.WARNING, logger="inmem_ft"):
         assert compat.check("megatron-core", "0.21.0", allow_untested=how == "config") == "0.21.0"
     [record] = caplog.records
-    assert "megatron-core 0.21.0 is untested (tested: megatron-core>=0.19.2,<0.20)" in record.getMessage()
+    assert f"megatron-core 0.21.0 is untested (tested: megatron-core{compat.TESTED['megatron-core']})" in record.getMessage()
     assert ("INMEM_FT_ALLOW_UNTESTED=1" if how == "env" else '"allow_untested": true') in record.getMessage()
 
 
@@ -66,11 +74,11 @@ def test_config_key():
         InmemFTBlock.from_dict({"allow_untested": "yes"})
 
 
+@pytest.mark.compat
 def test_installed_megatron_core_passes_the_patch_check():
     """The check megatron's install() runs, on the installed megatron-core (through the CPU shim, in a process
     of its own as tests/test_megatron.py does)."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests"), ROOT])}
     env.pop(compat.ALLOW_ENV, None)
     code = ("import megatron_cpu_shim; megatron_cpu_shim.install(); "
             "from inmem_ft.integrations.megatron import patch; print(patch.check_version())")
@@ -81,7 +89,36 @@ def test_installed_megatron_core_passes_the_patch_check():
 
 def test_package_extras_declare_the_tested_ranges():
     tomllib = pytest.importorskip("tomllib")
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert f"deepspeed{compat.TESTED['deepspeed']}" in extras["deepspeed"]
     assert f"megatron-core{compat.TESTED['megatron-core']}" in extras["megatron"]
+
+
+def matrix_results():
+    with open(os.path.join(ROOT, "tests", "compat", "results.json")) as f:
+        return json.load(f)
+
+
+def test_readme_and_docs_tables_are_what_the_matrix_results_give():
+    """The supported-versions table cannot drift from tests/compat/results.json: README.md and
+    docs/compatibility.md hold exactly what scripts/compat_table.py renders from it."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compat_table.py"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron-core"])
+def test_tested_ranges_start_at_the_oldest_release_the_matrix_passed(framework):
+    passed = [r[framework] for r in matrix_results().values() if r["failed"] == 0 and r[framework]]
+    assert passed and all(compat.is_tested(framework, v) for v in passed)
+    lower = next(s.version for s in SpecifierSet(compat.TESTED[framework]) if s.operator == ">=")
+    assert min(map(Version, passed)) == Version(lower)
+
+
+def test_the_newest_combination_is_constraints_txt():
+    newest = matrix_results()["newest"]
+    with open(os.path.join(ROOT, "constraints.txt")) as f:
+        pins = dict(line.strip().split("==") for line in f if "==" in line)
+    for name in ("torch", "deepspeed", "megatron-core"):
+        assert Version(newest[name]).public == pins[name], name

@@ -80,6 +80,7 @@ def digests(prefix, world=4):
 # ZeRO-3 bf16's kill/resume is the first half of the flipped-byte test below (which resumes one step older),
 # ZeRO-2 fp32's part of the disk-tier test; this and the rest are marked slow.
 @pytest.mark.slow
+@pytest.mark.compat
 @pytest.mark.parametrize("stage,dtype", [(3, "bf16")])
 def test_kill_rank_resumes_from_memory_bit_identical(cluster, runtime, tmp_path_factory, stage, dtype):
     ref = reference(stage, dtype, tmp_path_factory)
@@ -124,6 +125,7 @@ def test_a_byte_flipped_in_the_restored_step_stops_every_rank_before_its_step_an
     assert read_losses(resumed) == {s: ref[s] for s in range(5, STEPS + 1)}  # bit-identical
 
 
+@pytest.mark.compat
 def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical(job, runtime, tmp_path_factory):
     """The SMPs flush every 4th step (persist_every_steps 4, twice the interval), keeping 2; the trainers write nothing. A rank
     is killed right after step 8 completed (its flush is the SMPs' business); then every node's memory is wiped:

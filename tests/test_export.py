@@ -88,8 +88,10 @@ def assert_stock_loads_universal(source, stage: int, world: int) -> None:
     assert got["scheduler"]["last_batch_iteration"] == STEP - 1
 
 
+# Before DeepSpeed 0.19 its ZeRO-3 universal loader reads bare tensors, not the {'param': ...} files its own
+# ds_to_universal writes from ZeRO-1/2 (docs/compatibility.md): the matrix loads at ZeRO-2, on another DP size.
 @pytest.mark.parametrize("stage,world", [(3, 1), pytest.param(1, 2, marks=pytest.mark.slow),
-                                         pytest.param(2, 1, marks=pytest.mark.slow)])
+                                         pytest.param(2, 1, marks=[pytest.mark.slow, pytest.mark.compat])])
 def test_deepspeed_universal_export_loads_in_stock_deepspeed_on_another_layout(source, stage, world):
     assert_stock_loads_universal(source, stage, world)
 

@@ -125,6 +125,7 @@ def assert_exact_resume(reference, first, resumed):
     assert resumed == {i: reference[i] for i in range(INTERVAL + 1, ITERS + 1)}
 
 
+@pytest.mark.compat
 def test_tp2_kill_and_resume_is_exact(runtime, job):
     assert_exact_resume(*kill_and_resume(runtime, job, ["--tensor-model-parallel-size", "2"]))
 

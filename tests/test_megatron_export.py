@@ -86,6 +86,7 @@ def stock_megatron_loads(source, out, name: str, layout: list[str], world: int) 
     return got
 
 
+@pytest.mark.compat
 def test_megatron_dist_export_loads_in_stock_megatron_on_another_tp_layout(source):
     out = source["tmp"] / "mdist"
     proc = cli("export", "--job", source["job"], "--socket", source["socket"], "--format", "megatron-dist",

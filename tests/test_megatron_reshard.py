@@ -106,6 +106,7 @@ def reshard(cluster, tp: int, pp: int, dp: int, old: str) -> dict:
     return got
 
 
+@pytest.mark.compat
 def test_tp1_resumes_as_tp2_bit_identical(tmp_path):
     with source_job(tmp_path, 1, 1) as cluster:
         reshard(cluster, 2, 1, 1, "tp1.pp1.dp1")

@@ -194,6 +194,7 @@ def test_reshard_never_keeps_the_clear_error(zero1_dp2):
     assert control.call(cluster.socket_path(0), "list", rank=0)["slots"][0]["step"] == STEP  # nothing discarded
 
 
+@pytest.mark.compat
 def test_zero1_dp2_resumes_as_zero3_dp1_bit_identical(zero1_dp2):
     """DP 2 -> 1 and ZeRO-1 -> 3 at once; node 1's fragments come over the SMPs' peer link."""
     got = reshard(zero1_dp2, 1, 1, 3, "tp1.pp1.dp2.zero1", "tp1.pp1.dp1.zero3")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
+from . import versions
 from .types import safe_load_context
 
 MODEL_STATES = "model_states.pt"
@@ -20,34 +21,33 @@ class InMemCheckpointEngine(CheckpointEngine):
     def __init__(self, commit_fn):
         super().__init__()
         self.name = "inmem_ft"
-        self._commit_fn = commit_fn  # (info, {file name: state dict}) -> None; takes the snapshot
-        self._info: CheckpointCommitInfo | None = None
+        self._commit_fn = commit_fn  # (tag, {file name: state dict}) -> None; takes the snapshot
+        self._info = None  # what create() got: a CheckpointCommitInfo or the tag (versions.py)
         self._files: dict[str, dict] | None = None
         self._serving: tuple[str, dict, str] | None = None  # (tag, files, anchor path)
 
     # ---- save ---------------------------------------------------------------------------------------------
-    def create(self, info: CheckpointCommitInfo):
+    def create(self, info):
         self._info, self._files = info, {}
 
     def makedirs(self, path, exist_ok=False):
         # save_dir must really exist: DeepSpeed writes zero_to_fp32.py there with shutil.copyfile. The tag
         # directory would only ever hold our files, which go to the SMP, so it is not created.
-        info = self._info
-        if info is not None and os.path.normpath(path) == os.path.normpath(os.path.join(info.save_dir, str(info.tag))):
+        if self._info is not None and versions.is_tag_dir(self._info, path):
             return
         os.makedirs(path, exist_ok=True)
 
     def save(self, state_dict, path: str):
         # Tensors here are live (DeepSpeed does not clone): they are copied when commit() snapshots them,
         # still inside save_checkpoint, before any optimizer step can change them.
-        self._files[os.path.basename(path)] = state_dict
+        self._files[os.path.basename(path)] = versions.plain(state_dict)
 
-    def commit(self, info: CheckpointCommitInfo):
+    def commit(self, info):
         files, self._files, self._info = self._files, None, None
-        self._commit_fn(info, files or {})
+        self._commit_fn(versions.tag(info), files or {})
         return True
 
-    def preserves_storage_sharing(self):
+    def preserves_storage_sharing(self):  # asked from 0.18 (versions.py)
         return False  # the snapshot copies each view's own elements; DeepSpeed need not clone first
 
     # ---- load ---------------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ class InMemCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location=None):
         sd = self.held(path)
         if sd is not None:
-            return dict(sd)  # DeepSpeed reads the model states twice; a fresh top level each time
+            return versions.loaded(sd)  # DeepSpeed reads the model states twice; a fresh top level each time
         import torch
 
         with safe_load_context():

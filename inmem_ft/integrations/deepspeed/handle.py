@@ -150,7 +150,7 @@ class Handle:
     def _replicated(self, name: str) -> bool:
         return not self.zero3 and name.startswith("mp_rank_") and name.endswith(MODEL_STATES)
 
-    def _commit(self, info, files: dict) -> None:
+    def _commit(self, tag: str, files: dict) -> None:
         """InMemCheckpointEngine.commit: inside save_checkpoint, before its final barrier. Blocks for the copy."""
         step = int(self.engine.global_steps)
         self._memory = None  # a restored state views slots that snapshots from now on may rewrite
@@ -160,7 +160,7 @@ class Handle:
                                 param_names=self._param_names)
         if self.pipe is not None:
             self.pipe.rekey(files)
-        state = {"tag": str(info.tag), "step": step,
+        state = {"tag": tag, "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
         if self.pipe is not None:
