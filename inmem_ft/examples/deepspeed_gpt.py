@@ -167,10 +167,10 @@ def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: boo
             json.dump(counters, f)
 
 
-def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BATCH) -> dict:
+def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BATCH, accumulation: int = 1) -> dict:
     conf = {
         "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,

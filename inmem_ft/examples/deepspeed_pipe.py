@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import inmem_ft
-from inmem_ft.examples.deepspeed_gpt import SEQ, VOCAB, Block
+from inmem_ft.examples.deepspeed_gpt import SEQ, VOCAB, Block, ds_config
 
 MICRO_BATCH, MICRO_BATCHES = 4, 2
 
@@ -75,23 +75,6 @@ class Batches:
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def ds_config(stage: int, dtype: str, interval: int) -> dict:
-    conf = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": MICRO_BATCHES,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                      "warmup_num_steps": 10}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-        "inmem_ft": {"enabled": True, "interval": interval},
-    }
-    if dtype == "bf16":
-        conf["bf16"] = {"enabled": True}
-    return conf
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--pp", type=int, default=2, help="pipeline stages")
@@ -121,7 +104,8 @@ def main() -> None:
     disable_cpu_shm_comm()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
-    config = ds_config(args.zero_stage, args.dtype, args.interval)
+    # one optimizer step is MICRO_BATCHES micro-batches through the stages
+    config = ds_config(args.zero_stage, args.dtype, args.interval, MICRO_BATCH, MICRO_BATCHES)
     if args.no_inmem:
         config.pop("inmem_ft")
     model = pipeline(args.layers, args.hidden, 4, 0.1, args.pp)
