@@ -5,7 +5,6 @@ outside, for a re-queued job; a new SMP adopts what a dead one left there."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -42,8 +41,8 @@ class NodeSMP:
         out = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
         if proc.returncode != 0:
             raise SMPUnavailable(f"the SMP did not start: {out}")
-        m = re.search(r"pid (\d+)", out)
-        self.pid = int(m.group(1)) if m else None
+        found = control.ping(self.socket)  # started means it answers; it says its own pid, no need to parse output
+        self.pid = found.get("pid") if found else None
         self.say(f"event=smp_started pid={self.pid} socket={self.socket}")
 
     def alive(self) -> bool:

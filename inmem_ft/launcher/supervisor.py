@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import telemetry
+from ..agent import hangs
 from ..errors import ConfigError
 from . import timelost
 from .simulated import SimulatedCluster
@@ -264,9 +265,7 @@ class Supervisor:
     def _beats(self, hb_dir: str) -> dict[int, dict]:
         """Heartbeats of the processes this attempt started, only: a file another run or attempt left
         behind says nothing of now."""
-        procs = self.cluster.procs
-        return {r: b for r, b in telemetry.read_heartbeats(hb_dir).items()
-                if r in procs and b.get("pid") == procs[r].pid}
+        return hangs.beats_of(hb_dir, {r: proc.pid for r, proc in self.cluster.procs.items()})
 
     def _note_restore(self, beats: dict, seen: bool) -> bool:
         if seen or len(beats) < self.cluster.world_size or any("restored" not in b for b in beats.values()):
@@ -364,10 +363,8 @@ class Supervisor:
     def _hung(self, beats: dict) -> list[int]:
         """Live ranks of this attempt silent past the timeout. A hung rank soon silences its peers too (they
         wait on it in a collective), so each silent one is named; any one of them is reason to restart."""
-        now = time.time()
-        return sorted(rank for rank, beat in beats.items()
-                      if not beat.get("done") and now - beat["time"] > self.heartbeat_timeout_s
-                      and self.cluster.procs[rank].poll() is None)
+        return [rank for rank in hangs.stale(beats, time.time(), self.heartbeat_timeout_s)
+                if self.cluster.procs[rank].poll() is None]
 
     def _describe_exit(self, attempt, rank: int) -> str:
         code = attempt.returncodes[rank]
