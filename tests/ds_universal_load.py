@@ -7,6 +7,11 @@ DS_ACCELERATOR=cpu. The model is rebuilt from the checkpoint's own param_shapes 
 parameters), so any exported model loads. Rank 0 writes {checked, mismatched, global_steps, lr, ...} as JSON.
 
     python tests/ds_universal_load.py --load-dir DIR --zero-stage 3 --truth full.pt --result out.json
+
+With --pp N the model is a PipelineModule of N stages whose layers are bare modules with the parameters
+DeepSpeed named `<layer index>.<name>` in the checkpoint, and `--tied KEY=I,J` a TiedLayerSpec at layers I and J
+(its parameters are `tied_modules.KEY.<name>`); the truth is keyed as inmem_ft's shard map keys a pipeline,
+`layer_XX.<name>` (a tied parameter at its first layer).
 """
 import argparse
 import json
@@ -31,12 +36,62 @@ def bare_model(param_shapes: list) -> nn.Module:
     return root
 
 
+class Bare(nn.Module):
+    def __init__(self, shapes: dict):
+        super().__init__()
+        for name, shape in shapes.items():
+            *path, leaf = name.split(".")
+            mod = self
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, x):
+        return x
+
+
+def bare_pipeline(load_dir: str, tag: str, stages: int, tied: dict[str, list[int]]):
+    """(PipelineModule, DeepSpeed's parameter name -> the truth's key) from every stage's param_shapes."""
+    import glob
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    shapes = {}
+    for path in sorted(glob.glob(os.path.join(load_dir, tag, "mp_rank_*_model_states.pt"))):
+        for group in torch.load(path, weights_only=False)["param_shapes"]:
+            shapes.update(group)
+    layers: dict[int, dict] = {}
+    tied_shapes: dict[str, dict] = {}
+    for name, shape in shapes.items():
+        head, rest = name.split(".", 1)
+        if head == "tied_modules":
+            key, rest = rest.split(".", 1)
+            tied_shapes.setdefault(key, {})[rest] = shape
+        else:
+            layers.setdefault(int(head), {})[rest] = shape
+    at = {i: key for key, where in tied.items() for i in where}
+    specs = [TiedLayerSpec(at[i], Bare, tied_shapes[at[i]]) if i in at else LayerSpec(Bare, layers[i])
+             for i in range(max([*layers, *at]) + 1)]
+
+    def key_of(name: str) -> str:
+        head, rest = name.split(".", 1)
+        if head == "tied_modules":
+            key, rest = rest.split(".", 1)
+            return f"layer_{min(tied[key]):02d}.{rest}"
+        return f"layer_{int(head):02d}.{rest}"
+
+    return PipelineModule(specs, num_stages=stages, partition_method="uniform"), key_of
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--load-dir", required=True)
     p.add_argument("--zero-stage", type=int, required=True)
     p.add_argument("--truth", required=True)
     p.add_argument("--result", required=True)
+    p.add_argument("--pp", type=int, default=0, help="load into a PipelineModule of this many stages")
+    p.add_argument("--tied", action="append", default=[], help="KEY=I,J: a tied layer at layers I and J (with --pp)")
     args = p.parse_args()
     torch.set_num_threads(1)
     import deepspeed
@@ -48,32 +103,44 @@ def main() -> None:
     with open(os.path.join(args.load_dir, "latest_universal")) as f:
         tag = f.read().strip()
     states = torch.load(os.path.join(args.load_dir, tag, "mp_rank_00_model_states.pt"), weights_only=False)
-    model = bare_model(states["param_shapes"])
+    if args.pp:
+        tied = {k: [int(i) for i in v.split(",")] for k, v in (t.split("=") for t in args.tied)}
+        model, key_of = bare_pipeline(args.load_dir, tag, args.pp, tied)
+    else:
+        model, key_of = bare_model(states["param_shapes"]), str
     config = dict(states["ds_config"])  # the source's optimizer, scheduler and batch settings
     config.pop("inmem_ft", None)
     config["zero_optimization"] = {"stage": args.zero_stage}
     config["checkpoint"] = {"load_universal": True}
-    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * int(os.environ["WORLD_SIZE"])
+    config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config.get("gradient_accumulation_steps", 1)
+                                  * int(os.environ["WORLD_SIZE"]) // max(args.pp, 1))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     path, _ = engine.load_checkpoint(args.load_dir)
     assert path is not None, f"nothing loaded from {args.load_dir}"
 
     truth = torch.load(args.truth, weights_only=True)
-    checked, mismatched = 0, []
+    checked, mismatched = [], []
     for name, param in engine.module.named_parameters():
-        got = {f"optimizer.state.fp32_param.{name}": safe_get_full_fp32_param(param)}
+        key = key_of(name)
+        got = {f"optimizer.state.fp32_param.{key}": safe_get_full_fp32_param(param)}
         for kind in ("exp_avg", "exp_avg_sq"):
-            got[f"optimizer.state.{kind}.{name}"] = safe_get_full_optimizer_state(param, kind)
-        if args.zero_stage < 3 and name in truth:  # the truth of a ZeRO-3 source has no plain weights
-            got[name] = param.detach()
-        for key, value in got.items():  # collectives above run on every rank; rank 0 compares
-            checked += 1
+            got[f"optimizer.state.{kind}.{key}"] = safe_get_full_optimizer_state(param, kind)
+        if args.zero_stage < 3 and key in truth:  # the truth of a ZeRO-3 source has no plain weights
+            got[key] = param.detach()
+        for key, value in got.items():  # collectives above run on every rank of the stage
+            checked.append(key)
             if key not in truth or value is None or not torch.equal(value.to(truth[key].dtype), truth[key]):
                 mismatched.append(key)
+    if args.pp:  # each stage checked its own layers (a tied one on every stage that holds it): rank 0 takes all
+        everyone = [None] * int(os.environ["WORLD_SIZE"])
+        torch.distributed.all_gather_object(everyone, (checked, mismatched))
+        checked = sorted({k for c, _ in everyone for k in c})
+        mismatched = sorted({k for _, m in everyone for k in m})
     step = [s["step"] for s in engine.optimizer.optimizer.state.values() if "step" in s]
     if int(os.environ["RANK"]) == 0:
         with open(args.result, "w") as f:
-            json.dump({"checked": checked, "mismatched": mismatched, "global_steps": engine.global_steps,
+            json.dump({"checked": len(checked), "checked_keys": checked, "mismatched": mismatched,
+                       "global_steps": engine.global_steps,
                        "global_samples": engine.global_samples, "lr": engine.get_lr(),
                        "optimizer_steps": sorted({float(s) for s in step}),
                        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,

@@ -3,10 +3,13 @@ with real SMPs: a tied embedding/LM head on the first and last stage, dropout on
 with a position. kill -9 a rank, restart, resume from memory with the losses of the uninterrupted run bit for
 bit; the shard map keys every parameter by its layer index, whichever stage holds it."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from conftest import wait_for_log
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.snapshot import catalog
@@ -152,13 +155,25 @@ def test_a_pipeline_snapshot_into_a_model_without_stages_is_refused_clearly(job,
                "PipelineModule" in said
 
 
-def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype="fp32"):
+def reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype="fp32", from_disk=False):
     """Snapshots of one pipeline layout (ZeRO-1); the restart builds the same PipelineModule in another number
     of stages on the same ranks: each rank reads its flat ranges of every layer's fp32 master and moments by
-    their layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit."""
+    their layer keys, and every parameter, master, moment and counter equals the old layout's bit for bit.
+    `from_disk`: the SMPs flushed the snapshot to their disk tier and were wiped; the new SMPs adopt it from
+    the files, and the export of those files (`inmem-ft export --from`) loads in stock DeepSpeed at PP1."""
     world = nodes * per_node
-    with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+    disk = runtime / "disk"
+    with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV,
+                          smp_args=["--persist-dir", disk, "--persist-every-steps", 4] if from_disk else ()) as cluster:
         run_ok(cluster, example(old_pp, 1, dtype, "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        if from_disk:
+            for node in range(nodes):
+                wait_for_log(cluster.smp_log(node), "event=flushed step=4 ")
+                cluster.kill_smp(node)
+                cluster.wipe_node(node)
+                cluster.start_smp(node)
+                assert "step=4 from=disk" in open(cluster.smp_log(node)).read()
+            export_and_load(runtime, ["--from", disk], "disk", [(1, 1)])
         attempt = run_ok(cluster, example(new_pp, 1, dtype, "--dump-full", runtime / "new.pt", "--dump-step", 4,
                                           steps=6))
         assert (f"step=4 source=memory_resharded from=tp1.pp{old_pp}.dp{world // old_pp}.zero1 "
@@ -180,3 +195,54 @@ def test_reshard_pp2_to_pp1_bit_identical(job, runtime):
 def test_reshard_pipeline_layouts_bit_identical(job, runtime, nodes, per_node, old_pp, new_pp, dtype):
     """PP1 x DP2 -> PP2 x DP1, and PP2 x DP2 -> PP1 x DP4 (the tied embedding's two copies become one); bf16."""
     reshard_and_compare(job, runtime, nodes, per_node, old_pp, new_pp, dtype)
+
+
+@pytest.mark.slow
+def test_reshard_pp2_dp2_to_pp1_dp4_from_the_disk_tier(job, runtime):
+    """Memory gone (every SMP killed and wiped): PP2 x DP2 -> PP1 x DP4 from the files the SMPs persisted."""
+    reshard_and_compare(job, runtime, 2, 2, 2, 1, from_disk=True)
+
+
+# ---- export to DeepSpeed's universal checkpoint, loaded by stock DeepSpeed ------------------------------------
+
+def export_and_load(runtime, where: list, name: str, loads) -> None:
+    """`inmem-ft export --format deepspeed-universal` of step 4 (`where`: --job/--socket, or --from DIR), then
+    stock DeepSpeed loads it ("load_universal": true) into the example's PipelineModule (its layers bare) at each
+    (world size, stages) of `loads`: every parameter, fp32 master and Adam moment equals the source's
+    (runtime/old.pt, keyed by layer), and the counters come along."""
+    from test_export import stock
+
+    out = runtime / f"universal_{name}"
+    proc = subprocess.run([sys.executable, "-m", "inmem_ft.cli", "export", *map(str, where), "--format",
+                           "deepspeed-universal", "--out", str(out), "--quiet"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exported step 4" in proc.stdout
+    tag = out / "global_step4"
+    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(os.listdir(tag))
+    assert {"tied_modules.embed.weight", "1.pos.weight", "2.qkv.weight", "4.bias"} <= set(os.listdir(tag / "zero"))
+    truth = torch.load(runtime / "old.pt", weights_only=True)
+    truth.pop("_counters")
+    for world, pp in loads:
+        got = stock("ds_universal_load.py", ["--load-dir", out, "--zero-stage", 1, "--truth", runtime / "old.pt",
+                                             "--pp", pp, "--tied", "embed=0,5"], world,
+                    runtime / f"{name}_{world}x{pp}.json")
+        assert got["imported_inmem_ft"] is False
+        assert got["mismatched"] == [] and got["checked_keys"] == sorted(truth), (world, pp)
+        assert got["global_steps"] == 4 and got["optimizer_steps"] == [4.0]
+
+
+def source_and_export(job, runtime, nodes, per_node, loads):
+    with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        run_ok(cluster, example(2, 1, "fp32", "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        export_and_load(runtime, ["--job", job, "--socket", cluster.socket_path(nodes - 1)], "memory", loads)
+
+
+def test_pp2_export_loads_in_stock_deepspeed_at_pp1(job, runtime):
+    """PP2 x DP1 exported from memory; stock DeepSpeed loads it into one stage."""
+    source_and_export(job, runtime, 2, 1, [(1, 1)])
+
+
+@pytest.mark.slow
+def test_pp2_dp2_export_loads_in_stock_deepspeed_at_pp2_dp2_and_pp2_dp1(job, runtime):
+    source_and_export(job, runtime, 2, 2, [(4, 2), (2, 2)])

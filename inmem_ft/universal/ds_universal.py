@@ -15,7 +15,7 @@ reads the step) in optimizer_state.pt.
 
 Global tensors are read and written one at a time. The model states keep everything DeepSpeed saved except
 `module`: a universal load takes the weights from zero/ and never reads it, and writing it would hold the
-whole model at once.
+whole model at once. A pipeline snapshot (PP > 1) is laid out as ds_universal_pipeline.py says.
 """
 from __future__ import annotations
 
@@ -35,27 +35,43 @@ FILES = (("fp32_param", "fp32"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg
 UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
 
 
-def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]:
-    """(tag, model states, optimizer_state.pt, [({name: shape}, step)] per param group), checked first so
-    that nothing is written for a snapshot this exporter cannot represent."""
+def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
+    """(tag, {model-states file name: its dict}, optimizer_state.pt, [(zero/ directory, snapshot key, shape, step
+    of its param group)]), checked first so that nothing is written for a snapshot this exporter cannot
+    represent."""
     topo = src.topology
     if topo.get("framework") != "deepspeed":
         raise InmemFTError(f"--format deepspeed-universal needs a DeepSpeed snapshot; step {src.step} was taken "
                            f"by {topo.get('framework')!r}: export it with --format megatron-dist or torch-dcp")
-    if topo.get("zero_stage") not in (1, 2, 3) or topo.get("tp", 1) > 1 or topo.get("pp", 1) > 1:
-        raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor or pipeline "
-                           f"parallelism; this snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} "
-                           f"pp{topo.get('pp')}: export it with --format torch-dcp")
-    from ..integrations.deepspeed import stock, types  # imports deepspeed: only for this format
+    if topo.get("zero_stage") not in (1, 2, 3) or topo.get("tp", 1) > 1:
+        raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor parallelism; this "
+                           f"snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} pp{topo.get('pp')}: "
+                           f"export it with --format torch-dcp")
+    from ..integrations.deepspeed import types  # imports deepspeed: only for this format
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
-    model, osd, inner = stock.model_and_optimizer(src.state(0, "files"), f"rank 0's snapshot of step {src.step}")
+    if topo.get("pp", 1) > 1:
+        from . import ds_universal_pipeline
+
+        return ds_universal_pipeline.plan(src)
+    model, common, groups = rank_plan(src, 0)
+    params = [(name, name, shape, step) for group, step in groups for name, shape in group.items()]
+    return str(src.state(0, "tag")), {name: model for name in MODEL_STATES}, common, params
+
+
+def rank_plan(src: MemorySource, rank: int) -> tuple[dict, dict, list[tuple[dict, object]]]:
+    """(model states, optimizer_state.pt, [({DeepSpeed's parameter name: shape}, step)] per param group) from
+    `rank`'s DeepSpeed files."""
+    from ..integrations.deepspeed import stock
+
+    model, osd, inner = stock.model_and_optimizer(src.state(rank, "files"),
+                                                  f"rank {rank}'s snapshot of step {src.step}")
     shapes = model["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
     missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]
     if missing:
-        raise InmemFTError(f"rank 0's snapshot of step {src.step} holds no Adam state for param groups {missing} "
-                           f"(taken before the first optimizer step?); export a later step")
+        raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} holds no Adam state for param groups "
+                           f"{missing} (taken before the first optimizer step?); export a later step")
     groups = [(group, inner["state"][g]["step"]) for g, group in enumerate(shapes)]
 
     common = {k: v for k, v in osd.items() if k not in PARTITIONED}
@@ -66,35 +82,34 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]
                                       "param_groups": inner["param_groups"]}
     model = {**model, "module": {}}
     model.setdefault("universal_checkpoint_info", UNIVERSAL_INFO)
-    return str(src.state(0, "tag")), model, common, groups
+    return model, common, groups
 
 
 def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     """Writes the checkpoint under `out`, one tensor at a time (`bar`: a tqdm); returns (the tag directory,
     tensors, bytes)."""
-    tag, model, common, groups = plan(src)
+    tag, models, common, params = plan(src)
     tag_dir = os.path.join(out, tag)
     if os.path.exists(tag_dir):
         raise InmemFTError(f"{tag_dir} already exists; remove it or give another --out")
-    bar.reset(total=sum(len(group) for group, _ in groups) * len(FILES))
+    bar.reset(total=len(params) * len(FILES))
     tensors = nbytes = 0
     zero = os.path.join(tag_dir, "zero")
-    for group, step in groups:
-        for name, shape in group.items():
-            pdir = os.path.join(zero, name)
-            os.makedirs(pdir)
-            for kind, fname in FILES:
-                t = src.tensor(f"optimizer.state.{kind}.{name}")
-                if tuple(t.shape) != tuple(shape):
-                    raise InmemFTError(f"{kind} of {name}: the catalog's global shape {tuple(t.shape)} is not "
-                                       f"DeepSpeed's param_shapes {tuple(shape)}")
-                torch.save({"param": t, "cat_dim": 0}, os.path.join(pdir, f"{fname}.pt"))
-                tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
-                bar.update(1)
-                del t  # before the next one is read
-            torch.save(step, os.path.join(pdir, "step.pt"))
+    for name, key, shape, step in params:
+        pdir = os.path.join(zero, name)
+        os.makedirs(pdir)
+        for kind, fname in FILES:
+            t = src.tensor(f"optimizer.state.{kind}.{key}")
+            if tuple(t.shape) != tuple(shape):
+                raise InmemFTError(f"{kind} of {name}: the catalog's global shape {tuple(t.shape)} is not "
+                                   f"DeepSpeed's param_shapes {tuple(shape)}")
+            torch.save({"param": t, "cat_dim": 0}, os.path.join(pdir, f"{fname}.pt"))
+            tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
+            bar.update(1)
+            del t  # before the next one is read
+        torch.save(step, os.path.join(pdir, "step.pt"))
     torch.save(common, os.path.join(zero, "optimizer_state.pt"))
-    for name in MODEL_STATES:  # fix 1: the ZeRO-3 engine globs zero_pp_rank_0_mp_rank_*_model_states.pt
+    for name, model in models.items():
         torch.save(model, os.path.join(tag_dir, name))
     with open(os.path.join(out, "latest_universal"), "w") as f:
         f.write(tag)

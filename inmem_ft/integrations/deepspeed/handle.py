@@ -165,6 +165,7 @@ class Handle:
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
         if self.pipe is not None:
             state["layers"] = Replicated(self.pipe.layer_files())  # the same on every DP replica of the stage
+            state["pipeline"] = {"names": self.pipe.names()}
         # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
         self.snap.save(step, state, overlap=True, topology=self._topology(files))
 

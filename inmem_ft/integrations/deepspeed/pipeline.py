@@ -63,6 +63,12 @@ class Pipeline:
     def key_of(self, name: str) -> str:
         return self.param_key(name)[0]
 
+    def names(self) -> dict[str, str]:
+        """This stage's module parameter names -> their layer keys, kept in every snapshot: an export writes
+        DeepSpeed's own names (a universal checkpoint's `zero/<name>/`), which a tied parameter's key alone does
+        not give back."""
+        return {name: self.key_of(name) for name, _ in self.module.named_parameters()}
+
     def held_elsewhere(self, key: str) -> bool:
         """Whether a parameter's layer key (`layer_XX.<name>`) names a layer of another stage."""
         head, _, _ = key.partition(".")

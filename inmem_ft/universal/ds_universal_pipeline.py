@@ -1,0 +1,61 @@
+"""A pipeline snapshot (DeepSpeed PipelineModule, ZeRO-1, PP > 1) as a universal checkpoint, laid out as stock
+`ds_to_universal` lays out a pipeline checkpoint:
+
+    <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as ds_universal.py: `3.qkv.weight`, and a tied
+                                                        parameter once, `tied_modules.<key>.weight`
+    <out>/<tag>/mp_rank_<SS>_model_states.pt            stage SS's model states (its param_shapes, steps,
+                                                        lr scheduler), one file per stage
+
+DeepSpeed names a PipelineModule's parameters by the layer's global index (or the tied key), whichever stage
+holds the layer, and a universal load reads the weights and optimizer state from zero/ only (never the
+`layer_XX-model_states.pt` files): stock DeepSpeed 0.19 loads this export into the same PipelineModule built
+with any number of stages and any data-parallel size (ZeRO-1). Each stage's DP rank 0 gives its
+model states and optimizer hyperparameters; the snapshot's tensors, keyed `layer_XX.<name>`, are found from
+DeepSpeed's names through the names each rank recorded (`pipeline.names` in its snapshot).
+"""
+from __future__ import annotations
+
+from ..errors import InmemFTError
+from .ds_universal import rank_plan
+from .source import MemorySource
+
+
+def stage_ranks(src: MemorySource) -> dict[int, int]:
+    """Pipeline stage -> the rank at data-parallel (and tensor-parallel) coordinate 0 of it."""
+    out: dict[int, int] = {}
+    for rank in sorted(src.manifests):
+        coords = src.topology_of(rank).get("coords", {})
+        if coords.get("dp", 0) == 0 and coords.get("tp", 0) == 0:
+            out.setdefault(coords.get("pp", 0), rank)
+    pp = src.topology.get("pp", 1)
+    if sorted(out) != list(range(pp)):
+        raise InmemFTError(f"step {src.step}'s topology records name stages {sorted(out)} at data-parallel rank 0, "
+                           f"not all {pp}: not a snapshot this exporter understands")
+    return out
+
+
+def names(src: MemorySource, rank: int) -> dict[str, str]:
+    """DeepSpeed's parameter name -> snapshot key, as `rank` recorded them."""
+    try:
+        return src.state(rank, "pipeline", "names")
+    except InmemFTError:
+        raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} does not record its pipeline parameter names "
+                           f"(taken by an older inmem_ft): export a step taken since, or use --format torch-dcp") \
+            from None
+
+
+def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
+    """ds_universal.plan for a pipeline snapshot: every stage's parameters once (a tied one from the first stage
+    that holds it), every stage's model states; the optimizer's common state from stage 0."""
+    models, params, seen, common = {}, [], set(), None
+    for stage, rank in sorted(stage_ranks(src).items()):
+        model, stage_common, groups = rank_plan(src, rank)
+        keys = names(src, rank)
+        common = common or stage_common
+        models[f"mp_rank_{stage:02d}_model_states.pt"] = model
+        for group, step in groups:
+            for name, shape in group.items():
+                if name not in seen:
+                    seen.add(name)
+                    params.append((name, keys[name], shape, step))
+    return str(src.state(0, "tag")), models, common, params
