@@ -123,6 +123,15 @@ def deepspeed_save(data: dict) -> str:
             f"{data['repeats']}, slowest rank.\n\n" + _table(["", *(f"ZeRO-{s}" for s in stages)], rows) + notes)
 
 
+def deepspeed_pipe_save(data: dict) -> str:
+    """A pipeline's blocking time against the stock engine's save, with the rows and labels the benchmark itself
+    prints (its ROWS)."""
+    rows = [[label.strip(), _fmt(data.get(key), key)] for key, label in
+            _module_constant(HERE / "deepspeed_pipe_save.py", "ROWS") if data.get(key) is not None]
+    return (f"{data['params'] / 1e6:.1f}M parameters fp32 + AdamW, ZeRO-1, PP{data['pp']} x DP{data['dp']} "
+            f"({data['ranks']} ranks), medians of {data['repeats']}, slowest rank.\n\n" + _table(["", ""], rows))
+
+
 def _module_constant(path: Path, name: str):
     """A literal constant of a benchmark script, read without importing it (it imports torch)."""
     for node in ast.parse(path.read_text()).body:
@@ -239,7 +248,8 @@ def plan_projection(data: dict) -> str:
     return _strategies(data["llama3"]) + "\n\n" + plan_sensitivity().split("\n\nProjected on:")[0]
 
 
-RENDERERS = {"deepspeed_save": deepspeed_save, "plan_projection": plan_projection}
+RENDERERS = {"deepspeed_save": deepspeed_save, "deepspeed_pipe_save": deepspeed_pipe_save,
+             "plan_projection": plan_projection}
 
 
 def _purpose(name: str) -> str:
@@ -378,7 +388,14 @@ def agent_time_lost() -> str:
             + f"\n\nMeasured on: {where(data)}.")
 
 
-GENERATORS = {"benchmarks": render_page, "plan-llama3": plan_llama3, "plan-sensitivity": plan_sensitivity,
+def pipe_save_figures() -> str:
+    """docs/deepspeed-pipeline.md's figures: benchmarks/deepspeed_pipe_save.py's table and where it ran."""
+    data = load()["deepspeed_pipe_save"]
+    return deepspeed_pipe_save(data) + f"\n\nMeasured on: {where(data)}."
+
+
+GENERATORS = {"benchmarks": render_page, "deepspeed-pipe-save": pipe_save_figures, "plan-llama3": plan_llama3,
+              "plan-sensitivity": plan_sensitivity,
               "plan-per-replica": plan_per_replica, "plan-inputs": plan_inputs, "scaling-nodes": scaling_nodes,
               "agent-time-lost": agent_time_lost}
 

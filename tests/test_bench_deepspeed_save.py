@@ -41,3 +41,18 @@ def test_dlrover_extra_pins_the_version_the_adapters_are_for(bench):
     with open(os.path.join(BENCH, "requirements-dlrover.txt")) as f:
         pins = [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
     assert f"dlrover[k8s]=={bench.dlrover_flash.VERSION}" in pins
+
+
+def test_pipeline_case_prints_its_ratio_plots_and_renders(bench, monkeypatch, capsys, tmp_path):
+    """benchmarks/deepspeed_pipe_save.py (PP2 x DP2, sharing deepspeed_save's worker setup): its table, plot and
+    the docs' rendering of a result."""
+    pipe, render = importlib.import_module("deepspeed_pipe_save"), importlib.import_module("render")
+    results = {"params": 100.7e6, "ranks": 4, "pp": 2, "dp": 2, "repeats": 3, "quick": True,
+               "inmem_blocking_s": 0.03, "inmem_save_call_s": 0.02, "torch_engine_s": 3.0, "inmem_commit_s": 0.5,
+               "step_s": 0.4, "ratio_vs_torch_engine": 0.01}
+    pipe.print_table(results)
+    out = capsys.readouterr().out
+    assert "PP2 x DP2 (4 ranks" in out and re.search(r"^  ratio_vs_torch_engine .* 0\.010$", out, re.M), out
+    pipe.plot(results, str(tmp_path / "pipe.png"))
+    assert (tmp_path / "pipe.png").stat().st_size > 0
+    assert "| DeepSpeed TorchCheckpointEngine save_checkpoint | 3.000 s |" in render.deepspeed_pipe_save(results)
