@@ -129,7 +129,8 @@ def deepspeed_pipe_save(data: dict) -> str:
     rows = [[label.strip(), _fmt(data.get(key), key)] for key, label in
             _module_constant(HERE / "deepspeed_pipe_save.py", "ROWS") if data.get(key) is not None]
     return (f"{data['params'] / 1e6:.1f}M parameters fp32 + AdamW, ZeRO-1, PP{data['pp']} x DP{data['dp']} "
-            f"({data['ranks']} ranks), medians of {data['repeats']}, slowest rank.\n\n" + _table(["", ""], rows))
+            f"({data['ranks']} ranks), medians of {data['repeats']}, slowest rank.\n\n"
+            + _table(["", f"PP{data['pp']} x DP{data['dp']}"], rows))
 
 
 def _module_constant(path: Path, name: str):

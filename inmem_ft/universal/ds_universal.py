@@ -56,6 +56,7 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
         return ds_universal_pipeline.plan(src)
     model, common, groups = rank_plan(src, 0)
     params = [(name, name, shape, step) for group, step in groups for name, shape in group.items()]
+    # fix 1: the ZeRO-3 engine globs zero_pp_rank_0_mp_rank_*_model_states.pt
     return str(src.state(0, "tag")), {name: model for name in MODEL_STATES}, common, params
 
 
