@@ -205,11 +205,12 @@ def test_reshard_pp2_dp2_to_pp1_dp4_from_the_disk_tier(job, runtime):
 
 # ---- export to DeepSpeed's universal checkpoint, loaded by stock DeepSpeed ------------------------------------
 
-def export_and_load(runtime, where: list, name: str, loads) -> None:
+def export_and_load(runtime, where: list, name: str, loads, stages=2) -> None:
     """`inmem-ft export --format deepspeed-universal` of step 4 (`where`: --job/--socket, or --from DIR), then
     stock DeepSpeed loads it ("load_universal": true) into the example's PipelineModule (its layers bare) at each
     (world size, stages) of `loads`: every parameter, fp32 master and Adam moment equals the source's
-    (runtime/old.pt, keyed by layer), and the counters come along."""
+    (runtime/old.pt, keyed by layer), and the counters come along. `stages`: the source's, one model-states file
+    each."""
     from test_export import stock
 
     out = runtime / f"universal_{name}"
@@ -219,7 +220,8 @@ def export_and_load(runtime, where: list, name: str, loads) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exported step 4" in proc.stdout
     tag = out / "global_step4"
-    assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(os.listdir(tag))
+    assert sorted(n for n in os.listdir(tag) if n.endswith("model_states.pt")) == [
+        f"mp_rank_{s:02d}_model_states.pt" for s in range(stages)]
     assert {"tied_modules.embed.weight", "1.pos.weight", "2.qkv.weight", "4.bias"} <= set(os.listdir(tag / "zero"))
     truth = torch.load(runtime / "old.pt", weights_only=True)
     truth.pop("_counters")
@@ -232,10 +234,10 @@ def export_and_load(runtime, where: list, name: str, loads) -> None:
         assert got["global_steps"] == 4 and got["optimizer_steps"] == [4.0]
 
 
-def source_and_export(job, runtime, nodes, per_node, loads):
+def source_and_export(job, runtime, nodes, per_node, loads, pp=2):
     with SimulatedCluster(nodes, per_node, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(2, 1, "fp32", "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
-        export_and_load(runtime, ["--job", job, "--socket", cluster.socket_path(nodes - 1)], "memory", loads)
+        run_ok(cluster, example(pp, 1, "fp32", "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        export_and_load(runtime, ["--job", job, "--socket", cluster.socket_path(nodes - 1)], "memory", loads, pp)
 
 
 def test_pp2_export_loads_in_stock_deepspeed_at_pp1(job, runtime):
@@ -246,3 +248,9 @@ def test_pp2_export_loads_in_stock_deepspeed_at_pp1(job, runtime):
 @pytest.mark.slow
 def test_pp2_dp2_export_loads_in_stock_deepspeed_at_pp2_dp2_and_pp2_dp1(job, runtime):
     source_and_export(job, runtime, 2, 2, [(4, 2), (2, 2)])
+
+
+@pytest.mark.slow
+def test_pp1_export_loads_in_stock_deepspeed_at_pp2(job, runtime):
+    """A PipelineModule in one stage: its snapshot is keyed by layer too, and exports as a pipeline's."""
+    source_and_export(job, runtime, 1, 1, [(2, 2)], pp=1)

@@ -15,7 +15,7 @@ reads the step) in optimizer_state.pt.
 
 Global tensors are read and written one at a time. The model states keep everything DeepSpeed saved except
 `module`: a universal load takes the weights from zero/ and never reads it, and writing it would hold the
-whole model at once. A pipeline snapshot (PP > 1) is laid out as ds_universal_pipeline.py says.
+whole model at once. A pipeline snapshot (a PipelineModule's, any number of stages) is laid out as ds_universal_pipeline.py says.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
     from ..integrations.deepspeed import types  # imports deepspeed: only for this format
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
-    if topo.get("pp", 1) > 1:
-        from . import ds_universal_pipeline
+    from . import ds_universal_pipeline  # here: it builds on this module
 
+    if topo.get("pp", 1) > 1 or ds_universal_pipeline.recorded_names(src, 0) is not None:  # PipelineModule
         return ds_universal_pipeline.plan(src)
     model, common, groups = rank_plan(src, 0)
     params = [(name, name, shape, step) for group, step in groups for name, shape in group.items()]

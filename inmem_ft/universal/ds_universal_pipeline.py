@@ -1,4 +1,4 @@
-"""A pipeline snapshot (DeepSpeed PipelineModule, ZeRO-1, PP > 1) as a universal checkpoint, laid out as stock
+"""A pipeline snapshot (a DeepSpeed PipelineModule's, ZeRO-1, any number of stages) as a universal checkpoint, laid out as stock
 `ds_to_universal` lays out a pipeline checkpoint:
 
     <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as ds_universal.py: `3.qkv.weight`, and a tied
@@ -34,14 +34,13 @@ def stage_ranks(src: MemorySource) -> dict[int, int]:
     return out
 
 
-def names(src: MemorySource, rank: int) -> dict[str, str]:
-    """DeepSpeed's parameter name -> snapshot key, as `rank` recorded them."""
+def recorded_names(src: MemorySource, rank: int) -> dict[str, str] | None:
+    """DeepSpeed's parameter name -> snapshot key, as `rank` recorded them (None: no pipeline snapshot, or one
+    taken by an inmem_ft that did not record them)."""
     try:
         return src.state(rank, "pipeline", "names")
     except InmemFTError:
-        raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} does not record its pipeline parameter names "
-                           f"(taken by an older inmem_ft): export a step taken since, or use --format torch-dcp") \
-            from None
+        return None
 
 
 def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
@@ -50,7 +49,11 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
     models, params, seen, common = {}, [], set(), None
     for stage, rank in sorted(stage_ranks(src).items()):
         model, stage_common, groups = rank_plan(src, rank)
-        keys = names(src, rank)
+        keys = recorded_names(src, rank)
+        if keys is None:
+            raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} does not record its pipeline parameter "
+                               f"names (taken by an older inmem_ft): export a step taken since, or use --format "
+                               f"torch-dcp")
         common = common or stage_common
         models[f"mp_rank_{stage:02d}_model_states.pt"] = model
         for group, step in groups:
