@@ -312,8 +312,15 @@ def readme_block() -> str:
                      f"training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
                      f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
                      f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
-    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save") if n in results]
-    lines += [""] + [f"{'¹²'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
+    pipe = results.get("deepspeed_pipe_save")
+    if pipe:
+        lines.append(f"- DeepSpeed pipeline PP{pipe['pp']} x DP{pipe['dp']}, ZeRO-{pipe['zero_stage']}, "
+                     f"{pipe['params'] / 1e6:.0f}M parameters + AdamW, {pipe['ranks']} ranks: training blocked "
+                     f"{_fmt(pipe['inmem_blocking_s'], '_s')} per snapshot, against "
+                     f"{_fmt(pipe['torch_engine_s'], '_s')} for `save_checkpoint` to local disk "
+                     f"(ratio {pipe['ratio_vs_torch_engine']:.3f}) ³")
+    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save", "deepspeed_pipe_save") if n in results]
+    lines += [""] + [f"{'¹²³'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
     return "\n".join(lines).strip()
 
 
