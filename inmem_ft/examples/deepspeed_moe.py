@@ -61,7 +61,11 @@ def full_state(engine) -> dict:
 
     from inmem_ft.integrations.deepspeed.moe import Experts
 
-    experts, mine = Experts(engine), {}
+    experts, mine, opt = Experts(engine), {}, engine.optimizer
+    # DeepSpeed 0.19.8 links each parameter to its optimizer state right after the first param group's first
+    # step, before the other groups (MoE's expert groups) have any state: link them again to read them.
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
     for name, p in engine.module.named_parameters():
         key = experts.key_of(name)
         mine[key] = p.detach().clone()
@@ -80,7 +84,7 @@ def dump_full(engine, stream, path: str, restored) -> None:
         full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                              "optimizer_steps": steps, "lr": engine.get_lr(), "position": stream.position,
                              "scheduler": engine.lr_scheduler.state_dict(),
-                             "restored": restored.tier if restored else None}
+                             "restored": str(restored.tier) if restored else None}
         torch.save(full, path)
 
 

@@ -201,9 +201,8 @@ class Handle:
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
                         world_size=self.snap.world_size, dp=self.dp_size,
                         tp=pipe.tp if pipe else int(self.engine.mp_world_size), pp=pipe.stages if pipe else 1,
-                        ep=experts.ep if experts else 1,
-                        coords={"dp": self.dp_rank, "tp": 0, "pp": pipe.stage if pipe else 0,
-                                **({"ep": experts.ep_rank} if experts else {})},
+                        ep=experts.ep if experts else 1,  # a split of DP: a rank's dp coordinate names its experts
+                        coords={"dp": self.dp_rank, "tp": 0, "pp": pipe.stage if pipe else 0},
                         zero_stage=self.zero_stage)
 
     def snapshot(self) -> None:
