@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import wait_for_log
+from inmem_ft.cli import main
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.snapshot import catalog
@@ -50,17 +51,17 @@ def shard_keys(cluster, step):
         client.close()
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_moe_ep2_kill_and_resume_bit_identical_and_keys_by_global_expert(job, runtime, stage):
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), pytest.param(2, "bf16", marks=pytest.mark.slow)])
+def test_moe_ep2_kill_and_resume_bit_identical_and_keys_by_global_expert(job, runtime, stage, dtype):
     """EP2 x (expert) DP2 on two nodes of two ranks; rank 3 (node 1, EP rank 1: experts 2 and 3) is killed after
     step 7 (snapshots at 2, 4, 6); the restart resumes at step 7 from memory and repeats the uninterrupted
     run's losses bit for bit. Each expert's optimizer state is keyed by its global id, covered once."""
     ref, before, resumed = runtime / "ref.jsonl", runtime / "before.jsonl", runtime / "resumed.jsonl"
     with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(2, stage, "--loss-log", ref, "--no-inmem"))
-        attempt = cluster.run(example(2, stage, "--loss-log", before, "--die-at", 7, "--die-rank", 3))
+        run_ok(cluster, example(2, stage, "--loss-log", ref, "--no-inmem", dtype=dtype))
+        attempt = cluster.run(example(2, stage, "--loss-log", before, "--die-at", 7, "--die-rank", 3, dtype=dtype))
         assert not attempt.ok and attempt.returncodes[3] == -9
-        attempt = run_ok(cluster, example(2, stage, "--loss-log", resumed))
+        attempt = run_ok(cluster, example(2, stage, "--loss-log", resumed, dtype=dtype))
         for rank in range(cluster.world_size):
             assert "step=6 source=memory" in cluster.rank_log(attempt.number, rank)
         got = shard_keys(cluster, STEPS)
@@ -89,12 +90,25 @@ def reshard_and_compare(cluster, tmp, old_ep, new_ep, stage=1, new_stage=1, tier
     assert [k for k, want in old.items() if not torch.equal(new[k], want)] == []
 
 
-def test_reshard_ep2_to_ep1_bit_identical(job, runtime):
-    """EP2 on 4 ranks -> EP1 on 2 ranks (each rank now holds all 4 experts of every layer; DP 4 -> 2)."""
+def test_reshard_ep2_to_ep1_bit_identical(job, runtime, capsys):
+    """EP2 on 4 ranks -> EP1 on 2 ranks (each rank now holds all 4 experts of every layer; DP 4 -> 2). Stock
+    DeepSpeed's universal checkpoint has no place for these experts: export says so and writes nothing; a
+    torch-dcp export holds every key of the snapshot."""
     with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
         run_ok(cluster, example(2, 1, "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
         cluster.reshape(2, 1)
         reshard_and_compare(cluster, runtime, 2, 1)
+        assert main(["export", "--job", job, "--socket", cluster.socket_path(0), "--format", "deepspeed-universal",
+                     "--out", str(runtime / "universal"), "--quiet"]) == 1
+        assert main(["export", "--job", job, "--socket", cluster.socket_path(0), "--format", "torch-dcp",
+                     "--out", str(runtime / "dcp"), "--quiet"]) == 0
+    assert "--format deepspeed-universal cannot represent step 4's mixture-of-experts layers" in \
+        capsys.readouterr().err
+    assert not (runtime / "universal" / "latest_universal").exists()
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(str(runtime / "dcp")).read_metadata()
+    old = torch.load(runtime / "old.pt", weights_only=True)
+    assert {k for k in old if k.startswith("optimizer.")} <= set(metadata.state_dict_metadata)
 
 
 @pytest.mark.slow

@@ -50,6 +50,11 @@ def plan(src: MemorySource) -> tuple[str, dict, dict, list[tuple[dict, object]]]
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
     model, osd, inner = stock.model_and_optimizer(src.state(0, "files"), f"rank 0's snapshot of step {src.step}")
+    if model.get("num_experts"):  # what DeepSpeed saves for deepspeed.moe.layer.MoE layers
+        raise InmemFTError(f"--format deepspeed-universal cannot represent step {src.step}'s mixture-of-experts "
+                           f"layers: stock DeepSpeed's universal checkpoint places experts only for AutoEP layers "
+                           f"(deepspeed.moe.layer.MoE experts would load by their local index); export it with "
+                           f"--format torch-dcp")
     shapes = model["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
     missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]
