@@ -55,13 +55,15 @@ def shard_keys(cluster, step):
 def test_moe_ep2_kill_and_resume_bit_identical_and_keys_by_global_expert(job, runtime, stage, dtype):
     """EP2 x (expert) DP2 on two nodes of two ranks; rank 3 (node 1, EP rank 1: experts 2 and 3) is killed after
     step 7 (snapshots at 2, 4, 6); the restart resumes at step 7 from memory and repeats the uninterrupted
-    run's losses bit for bit. Each expert's optimizer state is keyed by its global id, covered once."""
+    run's losses bit for bit. Each expert's optimizer state is keyed by its global id, covered once. The
+    explicit save_checkpoint at the end writes DeepSpeed's own MoE checkpoint (a file per expert)."""
     ref, before, resumed = runtime / "ref.jsonl", runtime / "before.jsonl", runtime / "resumed.jsonl"
     with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
         run_ok(cluster, example(2, stage, "--loss-log", ref, "--no-inmem", dtype=dtype))
         attempt = cluster.run(example(2, stage, "--loss-log", before, "--die-at", 7, "--die-rank", 3, dtype=dtype))
         assert not attempt.ok and attempt.returncodes[3] == -9
-        attempt = run_ok(cluster, example(2, stage, "--loss-log", resumed, dtype=dtype))
+        attempt = run_ok(cluster, example(2, stage, "--loss-log", resumed, "--save-dir", runtime / "stock",
+                                          dtype=dtype))
         for rank in range(cluster.world_size):
             assert "step=6 source=memory" in cluster.rank_log(attempt.number, rank)
         got = shard_keys(cluster, STEPS)
@@ -69,6 +71,9 @@ def test_moe_ep2_kill_and_resume_bit_identical_and_keys_by_global_expert(job, ru
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert read_losses(before) == {s: ref[s] for s in range(1, 8)}
     assert read_losses(resumed) == {s: ref[s] for s in range(7, STEPS + 1)}  # bit-identical
+    saved = set(os.listdir(runtime / "stock" / f"global_step{STEPS}"))  # the user's save: DeepSpeed's own files
+    assert {f"layer_{b}_expert_{e}_mp_rank_00_model_states.pt" for b in (0, 1) for e in range(EXPERTS)} | \
+        {"mp_rank_00_model_states.pt"} | {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)} <= saved
     weights = DENSE | EXPERTS_KEYS
     optimizer = {f"optimizer.state.{kind}.{k}" for kind in ("fp32_param", "exp_avg", "exp_avg_sq") for k in weights}
     assert got == DENSE | optimizer  # expert weights are their fp32 masters
