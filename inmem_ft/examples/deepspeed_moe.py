@@ -78,20 +78,17 @@ def full_state(engine) -> dict:
 
 
 def dump_full(engine, stream, path: str, restored) -> None:
+    """full_state (collective) and the counters a resume must carry, to `path` from rank 0."""
+    import deepspeed
+
     full = full_state(engine)
-    if deepspeed_rank() == 0:
+    if deepspeed.comm.get_rank() == 0:
         steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
         full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                              "optimizer_steps": steps, "lr": engine.get_lr(), "position": stream.position,
                              "scheduler": engine.lr_scheduler.state_dict(),
                              "restored": str(restored.tier) if restored else None}
         torch.save(full, path)
-
-
-def deepspeed_rank() -> int:
-    import deepspeed
-
-    return deepspeed.comm.get_rank()
 
 
 def main() -> None:
