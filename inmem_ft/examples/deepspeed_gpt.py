@@ -31,13 +31,16 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         self.drop, self.heads = nn.Dropout(dropout), heads
 
-    def forward(self, x):
+    def attend(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         att = self.drop(att.masked_fill(mask, float("-inf")).softmax(-1))
-        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, t, d)))
+
+    def forward(self, x):
+        x = self.attend(x)
         return x + self.drop(self.mlp(self.ln2(x)))
 
 

@@ -67,6 +67,11 @@ def rank_plan(src: MemorySource, rank: int) -> tuple[dict, dict, list[tuple[dict
 
     model, osd, inner = stock.model_and_optimizer(src.state(rank, "files"),
                                                   f"rank {rank}'s snapshot of step {src.step}")
+    if model.get("num_experts"):  # what DeepSpeed saves for deepspeed.moe.layer.MoE layers
+        raise InmemFTError(f"--format deepspeed-universal cannot represent step {src.step}'s mixture-of-experts "
+                           f"layers: stock DeepSpeed's universal checkpoint places experts only for AutoEP layers "
+                           f"(deepspeed.moe.layer.MoE experts would load by their local index); export it with "
+                           f"--format torch-dcp")
     shapes = model["param_shapes"]
     shapes = shapes if isinstance(shapes, list) else [shapes]
     missing = [g for g in range(len(shapes)) if "step" not in inner["state"].get(g, {})]

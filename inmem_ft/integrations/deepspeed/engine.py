@@ -47,6 +47,9 @@ class InMemCheckpointEngine(CheckpointEngine):
         self._commit_fn(versions.tag(info), files or {})
         return True
 
+    def is_data_parallel_writer(self, dp_rank):  # asked by MoE saves only (moe.py)
+        return True  # every replica hands over what it holds; the snapshot splits the replicas' shares
+
     def preserves_storage_sharing(self):  # asked from 0.18 (versions.py)
         return False  # the snapshot copies each view's own elements; DeepSpeed need not clone first
 

@@ -26,7 +26,7 @@ from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
 from ...universal.reshard import open_memory, open_newest
-from . import pipeline, reshard, shards, stock, support, types
+from . import moe, pipeline, reshard, shards, stock, support, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
@@ -73,6 +73,7 @@ class Handle:
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
         self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
+        self.moe = moe.Experts(engine) if engine.has_moe_layers else None
         self._unreported = Unreported(self.snap.metrics)
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
@@ -120,7 +121,8 @@ class Handle:
         @functools.wraps(save)
         def wrapped_save(save_dir, tag=None, client_state={}, save_latest=True, **kw):
             if save_dir == self.scratch:  # a snapshot (Handle.snapshot): the bytes go to the SMP, no `latest`
-                return save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
+                with self.moe.every_replica_saves() if self.moe else contextlib.nullcontext():
+                    return save(save_dir, tag=tag, client_state=client_state, save_latest=False, **kw)
             # The user's own save: a durable stock checkpoint in save_dir, by DeepSpeed's own engine and rules
             # (loadable without inmem_ft). The overlapped copy of the last snapshot reads the same tensors.
             self.snap.fence()
@@ -156,10 +158,15 @@ class Handle:
         self._memory = None  # a restored state views slots that snapshots from now on may rewrite
         if self.pipe is not None:
             files = self.pipe.without_layer_files(files)
+        if self.moe is not None:
+            files = self.moe.without_expert_files(files)
         files = shards.with_specs(files, zero_stage=self.zero_stage, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                param_names=self._param_names)
+                                param_names=self._param_names,
+                                partition_ranks=self.moe.partition_ranks() if self.moe else None)
         if self.pipe is not None:
             self.pipe.rekey(files)
+        if self.moe is not None:
+            self.moe.rekey(files)
         state = {"tag": tag, "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
@@ -191,10 +198,11 @@ class Handle:
     def _layout(self) -> Topology:
         import deepspeed
 
-        pipe = self.pipe
+        pipe, experts = self.pipe, self.moe
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
                         world_size=self.snap.world_size, dp=self.dp_size,
                         tp=pipe.tp if pipe else int(self.engine.mp_world_size), pp=pipe.stages if pipe else 1,
+                        ep=experts.ep if experts else 1,  # a split of DP: a rank's dp coordinate names its experts
                         coords={"dp": self.dp_rank, "tp": 0, "pp": pipe.stage if pipe else 0},
                         zero_stage=self.zero_stage)
 
@@ -257,7 +265,9 @@ class Handle:
         t0 = time.perf_counter()
         tag, anchor = state["tag"], self.snap.last_restore.path
         self._memory = (state,)
-        self.ckpt.serve(tag, state["files"], anchor)
+        # MoE: the expert files DeepSpeed asks for hold the live weights; moe.restored() sets them from the masters
+        self.ckpt.serve(tag, {**state["files"], **self.moe.expert_files(tag)} if self.moe else state["files"],
+                        anchor)
         # load_checkpoint globs <dir>/<tag>/mp_rank_*_model_states.pt and SDLoaderBase.load asserts
         # os.path.exists on the result before calling our engine.load. Instead of faking files, DeepSpeed gets
         # a path that exists and names this very snapshot: the shared-memory slot it was restored from
@@ -284,6 +294,8 @@ class Handle:
                     raise RuntimeError(f"DeepSpeed did not load snapshot {tag} from memory")
                 for master in shared:
                     master.data = self.snap.private_twin(master.data)
+                if self.moe is not None:
+                    self.moe.restored()
                 restore_rng_state(state["rank"]["rng"])
                 extras = private(state["rank"]["extras"], self.snap.mapped_storages())
         finally:
@@ -347,7 +359,7 @@ class Handle:
         try:
             pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
-            got = reshard.load(self.engine, rs, self.pipe or reshard.ModuleKeys)
+            got = reshard.load(self.engine, rs, self.pipe or self.moe or reshard.ModuleKeys)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}

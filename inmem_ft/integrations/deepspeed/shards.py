@@ -71,10 +71,13 @@ def _moments(state: dict, pieces, wrap) -> dict:
     return out
 
 
-def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict) -> dict:
+def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, param_names: dict,
+               partition_ranks: list[int] | None = None) -> dict:
     """A copy of `files` ({file name: state dict}) whose tensors carry shard specs.
 
-    param_names: ZeRO-0 only, optimizer param index -> parameter name (its state is keyed by index)."""
+    param_names: ZeRO-0 only, optimizer param index -> parameter name (its state is keyed by index).
+    partition_ranks: ZeRO-1/2, this rank's partition in each param group where a group is not partitioned over
+    the whole data-parallel group (MoE expert groups: moe.Experts.partition_ranks); default dp_rank for all."""
     def flat(t, kind, pieces):
         return Sharded(t, _flat_pieces(kind, pieces))
 
@@ -96,7 +99,8 @@ def with_specs(files: dict, *, zero_stage: int, dp_rank: int, dp_size: int, para
                 fp32 = list(osd["single_partition_of_fp32_groups"])
                 for g, group_shapes in enumerate(shapes):
                     pieces = zero12_pieces(group_shapes, osd["param_slice_mappings"][g], fp32[g].numel(),
-                                           osd["group_paddings"][g], dp_rank, fname)
+                                           osd["group_paddings"][g],
+                                           dp_rank if partition_ranks is None else partition_ranks[g], fname)
                     fp32[g] = flat(fp32[g], "fp32_param", pieces)
                     state[g] = _moments(state[g], pieces, flat)
                 base["state"] = state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ... import compat
 from ...errors import ConfigError
+from . import moe
 
 _WITHOUT = "remove the inmem_ft block (or set \"enabled\": false) to train with DeepSpeed's own checkpoints"
 
@@ -20,8 +21,7 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
     compat.check("deepspeed", version, allow_untested, without=_WITHOUT)
     check_model_parallel(engine)
     if getattr(engine, "has_moe_layers", False):
-        raise ConfigError(f"inmem_ft: mixture-of-experts layers (expert-parallel state) are not supported; "
-                          f"{_WITHOUT}")
+        moe.check_supported(engine, _WITHOUT)
     for what, offload in (("optimizer", engine.zero_offload_optimizer()), ("parameter", engine.zero_offload_param())):
         device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
         if device not in (None, "none"):
