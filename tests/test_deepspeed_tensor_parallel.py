@@ -1,0 +1,126 @@
+"""Issue 30, item 2: tensor parallelism through an mpu (Megatron-DeepSpeed's way) under the DeepSpeed adapter,
+on CPU/gloo with real SMPs, 4 ranks: the example's column/row-parallel GPT (inmem_ft/examples/deepspeed_tp.py)
+in TP2 x PP2. kill -9 a rank, restart, resume from memory with the uninterrupted losses bit for bit; the shard
+map keys every TP slice as a box of its global tensor; a TP2 snapshot reshards into TP1 (with other PP/DP)
+from memory and from the disk tier, every parameter and Adam moment bit-identical to the source's."""
+import os
+
+import pytest
+import torch
+
+from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.smp.client import SMPClient
+from inmem_ft.snapshot import catalog
+from inmem_ft.telemetry import read_losses
+
+from conftest import wait_for_log
+
+STEPS, INTERVAL = 8, 2
+ENV = {"DS_ACCELERATOR": "cpu"}
+# The example's layers (2 blocks): the tied token embedding, positions, 2 blocks, the final norm, the tied head.
+BLOCK = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
+         "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+WEIGHTS = {"layer_00.weight", "layer_01.pos.weight", *(f"layer_{i:02d}.{n}" for i in (2, 3) for n in BLOCK),
+           "layer_04.weight", "layer_04.bias"}
+KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
+HIDDEN = 64
+# (global shape, partition dim) of the split parameters of a block
+SPLIT = {"qkv.weight": ((3 * HIDDEN, HIDDEN), 0), "qkv.bias": ((3 * HIDDEN,), 0), "proj.weight": ((HIDDEN, HIDDEN), 1),
+         "fc1.weight": ((4 * HIDDEN, HIDDEN), 0), "fc1.bias": ((4 * HIDDEN,), 0), "fc2.weight": ((HIDDEN, 4 * HIDDEN), 1)}
+
+
+def example(tp, pp, *extra, steps=STEPS):
+    return [str(a) for a in ["-m", "inmem_ft.examples.deepspeed_tp", "--tp", tp, "--pp", pp, "--zero-stage", 1,
+                             "--steps", steps, "--interval", INTERVAL, "--hidden", HIDDEN, *extra]]
+
+
+def run_ok(cluster, argv):
+    attempt = cluster.run(argv)
+    assert attempt.ok, cluster.rank_log(attempt.number, attempt.first_failure or 0)[-4000:]
+    return attempt
+
+
+def entries(cluster, step):
+    client = SMPClient(cluster.socket_path(0))
+    try:
+        table = catalog.fragments(client.catalog()["entries"], step)
+    finally:
+        client.close()
+    catalog.check(table)  # every element of every global tensor is covered by exactly one main fragment
+    return table.to_pydict()
+
+
+def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime, tmp_path_factory):
+    """TP2 x PP2 on two nodes of two ranks (node 1: the last stage's two TP ranks): the reference run, then a
+    run whose TP rank 1 of the last stage is killed after step 5 (snapshots at 2 and 4), and the restart:
+    every rank resumes from step 4 in memory and the losses of steps 5-8 equal the reference's bit for bit.
+    The shard map holds each split parameter as two boxes of its global shape (one per TP rank), each
+    replicated one (layer norms, row-parallel biases, the tied embedding) with one main copy."""
+    ref_dir = tmp_path_factory.mktemp("tpref")
+    old = os.environ["INMEM_FT_RUNTIME_DIR"]
+    os.environ["INMEM_FT_RUNTIME_DIR"] = str(ref_dir / "run")
+    try:
+        with SimulatedCluster(2, 2, f"{job}r", 256 << 20, str(ref_dir / "logs"), env=ENV) as c:
+            run_ok(c, example(2, 2, "--loss-log", ref_dir / "loss.jsonl"))
+    finally:
+        os.environ["INMEM_FT_RUNTIME_DIR"] = old
+    ref = read_losses(ref_dir / "loss.jsonl")
+    assert sorted(ref) == list(range(1, STEPS + 1))
+
+    before, resumed = runtime / "before.jsonl", runtime / "resumed.jsonl"
+    with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        attempt = cluster.run(example(2, 2, "--loss-log", before, "--die-at", 5, "--die-rank", 3))
+        assert not attempt.ok and attempt.returncodes[3] == -9
+        assert read_losses(before) == {s: ref[s] for s in range(1, 6)}
+        attempt = run_ok(cluster, example(2, 2, "--loss-log", resumed))
+        for rank in range(cluster.world_size):
+            assert "step=4 source=memory" in cluster.rank_log(attempt.number, rank)
+        cols = entries(cluster, STEPS)
+    assert read_losses(resumed) == {s: ref[s] for s in range(5, STEPS + 1)}  # bit-identical
+
+    boxes = {}
+    for key, shape, offset, main in zip(cols["key"], cols["global_shape"], cols["offset"], cols["main"]):
+        if main and not key.startswith("_"):
+            boxes.setdefault(key, set()).add((tuple(shape), tuple(offset)))
+    assert set(boxes) == WEIGHTS | {f"optimizer.state.{k}.{w}" for k in KINDS for w in WEIGHTS}
+    for layer in (2, 3):
+        for name, (shape, dim) in SPLIT.items():
+            for key in [f"layer_{layer:02d}.{name}", *(f"optimizer.state.{k}.layer_{layer:02d}.{name}" for k in KINDS)]:
+                offsets = {offset[dim] for got, offset in boxes[key] if got == shape}
+                assert offsets == {0, shape[dim] // 2}, (key, boxes[key])
+
+
+def reshard_and_compare(job, runtime, old, new, *, disk: bool):
+    """Snapshots of TP/PP layout `old` (ZeRO-1) on 4 ranks; the restart runs layout `new` on the same ranks,
+    from the SMPs' memory or (disk) from the disk tier after every SMP lost its memory and restarted: each rank
+    reads the boxes of its own slices by their keys, and every parameter, fp32 master, Adam moment and counter
+    equals the old layout's bit for bit (both dumped with TP slices gathered into global tensors)."""
+    (old_tp, old_pp), (new_tp, new_pp) = old, new
+    smp_args = ["--persist-dir", runtime / "disk", "--persist-every-steps", 4] if disk else []
+    with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV, smp_args=smp_args) as cluster:
+        run_ok(cluster, example(old_tp, old_pp, "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        for node in range(cluster.nodes) if disk else ():
+            wait_for_log(cluster.smp_log(node), "event=flushed step=4 ")
+            cluster.kill_smp(node)
+            cluster.wipe_node(node)
+            cluster.start_smp(node)
+            assert "step=4 from=disk" in open(cluster.smp_log(node)).read()
+        attempt = run_ok(cluster, example(new_tp, new_pp, "--dump-full", runtime / "new.pt", "--dump-step", 4,
+                                          steps=6))
+        dp = {layout: 4 // (layout[0] * max(layout[1], 1)) for layout in (old, new)}
+        assert (f"step=4 source=memory_resharded from=tp{old_tp}.pp{old_pp}.dp{dp[old]}.zero1 "
+                f"to=tp{new_tp}.pp{new_pp}.dp{dp[new]}.zero1") in cluster.rank_log(attempt.number, 0)
+    got, want = torch.load(runtime / "new.pt", weights_only=True), torch.load(runtime / "old.pt", weights_only=True)
+    assert got.pop("_counters") == want.pop("_counters")
+    assert set(got) == set(want) and len(want) == 4 * len(WEIGHTS)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_reshard_tp2_pp2_to_tp1_pp2_dp2_from_memory(job, runtime):
+    reshard_and_compare(job, runtime, (2, 2), (1, 2), disk=False)
+
+
+@pytest.mark.slow
+def test_reshard_tp2_pp2_to_tp1_pp1_dp4_from_the_disk_tier(job, runtime):
+    reshard_and_compare(job, runtime, (2, 2), (1, 1), disk=True)
