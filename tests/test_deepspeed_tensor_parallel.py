@@ -124,3 +124,25 @@ def test_reshard_tp2_pp2_to_tp1_pp2_dp2_from_memory(job, runtime):
 @pytest.mark.slow
 def test_reshard_tp2_pp2_to_tp1_pp1_dp4_from_the_disk_tier(job, runtime):
     reshard_and_compare(job, runtime, (2, 2), (1, 1), disk=True)
+
+
+def test_plain_module_with_mpu_tp2_resumes_bit_identical(job, runtime):
+    """TP2 without a pipeline (the mpu goes to deepspeed.initialize(mpu=...), as Megatron-DeepSpeed passes it
+    when it runs no PipelineModule), ZeRO-1, two ranks on one node: a run of 5 steps (snapshots at 2 and 4), and
+    a restart that restores step 4 from memory and trains step 5 again: every parameter, fp32 master, Adam
+    moment and counter after step 5 equals the first run's; the shard map keys the slices by module name as
+    boxes of their global tensors."""
+    with SimulatedCluster(1, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        run_ok(cluster, example(2, 0, "--dump-full", runtime / "old.pt", "--dump-step", 5, steps=5))
+        attempt = run_ok(cluster, example(2, 0, "--dump-full", runtime / "new.pt", "--dump-step", 5, steps=5))
+        for rank in range(cluster.world_size):
+            assert "step=4 source=memory" in cluster.rank_log(attempt.number, rank)
+        cols = entries(cluster, 4)
+    got, want = torch.load(runtime / "new.pt", weights_only=True), torch.load(runtime / "old.pt", weights_only=True)
+    assert got.pop("_counters") == want.pop("_counters")
+    assert set(got) == set(want) and "blocks.1.fc2.weight" in want
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    offsets = {tuple(o) for k, o, m in zip(cols["key"], cols["offset"], cols["main"])
+               if k == "optimizer.state.exp_avg.blocks.0.fc2.weight" and m}
+    assert offsets == {(0, 0), (0, 2 * HIDDEN)}  # fc2 splits its 4*HIDDEN inputs (dim 1) across the TP ranks

@@ -224,7 +224,8 @@ def main() -> None:
     p.add_argument("--dump-full", default=None, help="ZeRO-1: rank 0 writes every global parameter, fp32 master and "
                                                      "Adam moment (TP slices gathered), keyed as the shard map keys "
                                                      "them, and the counters (torch.save) to PATH, after --dump-step "
-                                                     "(or right after the restore of it)")
+                                                     "(or right after a resharding restore of it: a restore of the "
+                                                     "same layout links the moments at the next step only)")
     p.add_argument("--dump-step", type=int, default=None)
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
