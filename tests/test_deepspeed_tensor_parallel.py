@@ -29,8 +29,8 @@ SPLIT = {"qkv.weight": ((3 * HIDDEN, HIDDEN), 0), "qkv.bias": ((3 * HIDDEN,), 0)
          "fc1.weight": ((4 * HIDDEN, HIDDEN), 0), "fc1.bias": ((4 * HIDDEN,), 0), "fc2.weight": ((HIDDEN, 4 * HIDDEN), 1)}
 
 
-def example(tp, pp, *extra, steps=STEPS):
-    return [str(a) for a in ["-m", "inmem_ft.examples.deepspeed_tp", "--tp", tp, "--pp", pp, "--zero-stage", 1,
+def example(tp, pp, *extra, steps=STEPS, stage=1):
+    return [str(a) for a in ["-m", "inmem_ft.examples.deepspeed_tp", "--tp", tp, "--pp", pp, "--zero-stage", stage,
                              "--steps", steps, "--interval", INTERVAL, "--hidden", HIDDEN, *extra]]
 
 
@@ -50,6 +50,7 @@ def entries(cluster, step):
     return table.to_pydict()
 
 
+@pytest.mark.slow
 def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime, tmp_path_factory):
     """TP2 x PP2 on two nodes of two ranks (node 1: the last stage's two TP ranks): the reference run, then a
     run whose TP rank 1 of the last stage is killed after step 5 (snapshots at 2 and 4), and the restart:
@@ -117,6 +118,7 @@ def reshard_and_compare(job, runtime, old, new, *, disk: bool):
         assert torch.equal(got[key], value), key
 
 
+@pytest.mark.slow
 def test_reshard_tp2_pp2_to_tp1_pp2_dp2_from_memory(job, runtime):
     reshard_and_compare(job, runtime, (2, 2), (1, 2), disk=False)
 
@@ -126,23 +128,54 @@ def test_reshard_tp2_pp2_to_tp1_pp1_dp4_from_the_disk_tier(job, runtime):
     reshard_and_compare(job, runtime, (2, 2), (1, 1), disk=True)
 
 
-def test_plain_module_with_mpu_tp2_resumes_bit_identical(job, runtime):
+@pytest.mark.parametrize("stage", [1, pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_plain_module_with_mpu_tp2_resumes_bit_identical(job, runtime, stage):
     """TP2 without a pipeline (the mpu goes to deepspeed.initialize(mpu=...), as Megatron-DeepSpeed passes it
-    when it runs no PipelineModule), ZeRO-1, two ranks on one node: a run of 5 steps (snapshots at 2 and 4), and
-    a restart that restores step 4 from memory and trains step 5 again: every parameter, fp32 master, Adam
-    moment and counter after step 5 equals the first run's; the shard map keys the slices by module name as
-    boxes of their global tensors."""
+    when it runs no PipelineModule), two ranks on one node: a run of 5 steps (snapshots at 2 and 4), and a
+    restart that restores step 4 from memory and trains step 5 again with the same loss. ZeRO-1: every
+    parameter, fp32 master, Adam moment and counter after step 5 equals the first run's, and the shard map keys
+    the slices by module name as boxes of their global tensors."""
+    def run(name):
+        dump = ("--dump-full", runtime / f"{name}.pt", "--dump-step", 5) if stage == 1 else ()
+        return run_ok(cluster, example(2, 0, "--loss-log", runtime / f"{name}.jsonl", *dump, steps=5,
+                                       stage=stage))
+
     with SimulatedCluster(1, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        run_ok(cluster, example(2, 0, "--dump-full", runtime / "old.pt", "--dump-step", 5, steps=5))
-        attempt = run_ok(cluster, example(2, 0, "--dump-full", runtime / "new.pt", "--dump-step", 5, steps=5))
+        run("old")
+        attempt = run("new")
         for rank in range(cluster.world_size):
             assert "step=4 source=memory" in cluster.rank_log(attempt.number, rank)
         cols = entries(cluster, 4)
-    got, want = torch.load(runtime / "new.pt", weights_only=True), torch.load(runtime / "old.pt", weights_only=True)
-    assert got.pop("_counters") == want.pop("_counters")
-    assert set(got) == set(want) and "blocks.1.fc2.weight" in want
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
+    assert read_losses(runtime / "new.jsonl") == {5: read_losses(runtime / "old.jsonl")[5]}
     offsets = {tuple(o) for k, o, m in zip(cols["key"], cols["offset"], cols["main"])
                if k == "optimizer.state.exp_avg.blocks.0.fc2.weight" and m}
     assert offsets == {(0, 0), (0, 2 * HIDDEN)}  # fc2 splits its 4*HIDDEN inputs (dim 1) across the TP ranks
+    if stage == 1:
+        got, want = torch.load(runtime / "new.pt", weights_only=True), torch.load(runtime / "old.pt", weights_only=True)
+        assert got.pop("_counters") == want.pop("_counters")
+        assert set(got) == set(want) and "blocks.1.fc2.weight" in want
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_partition_dims_come_from_the_module_else_from_the_config_rules():
+    from inmem_ft.config import InmemFTBlock
+    from inmem_ft.errors import ConfigError
+    from inmem_ft.integrations.deepspeed.tensor_parallel import partition_dim
+
+    marked = torch.nn.Parameter(torch.zeros(4, 8))
+    marked.tensor_model_parallel, marked.partition_dim, marked.partition_stride = True, 1, 1
+    plain = torch.nn.Parameter(torch.zeros(4, 8))
+    rules = InmemFTBlock.from_dict({"partition_dims": {"*.dense.weight": 0, "layer_0?.ln.*": None}}).partition_dims
+    assert partition_dim("0.dense.weight", "layer_00.dense.weight", marked, rules) == 1  # the module's mark wins
+    assert partition_dim("0.dense.weight", "layer_00.dense.weight", plain, rules) == 0
+    assert partition_dim("3.ln.weight", "layer_03.ln.weight", plain, rules) is None  # matched by its key
+    assert partition_dim("3.other.weight", "layer_03.other.weight", plain, rules) is None
+    with pytest.raises(ConfigError, match="splits 0.dense.weight along dim 2, but it has 2 dims"):
+        partition_dim("0.dense.weight", "layer_00.dense.weight", plain, {"*dense*": 2})
+    marked.partition_stride = 3
+    with pytest.raises(ConfigError, match="partition_stride 3; only contiguous slices"):
+        partition_dim("0.dense.weight", "layer_00.dense.weight", marked, None)
+    for bad in ({"x": -1}, {"x": "0"}, ["x"], {"": 0}):
+        with pytest.raises(ConfigError, match="'partition_dims' = .*must map parameter-name patterns to a dim"):
+            InmemFTBlock.from_dict({"partition_dims": bad})
