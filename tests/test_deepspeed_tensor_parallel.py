@@ -4,6 +4,9 @@ in TP2 x PP2. kill -9 a rank, restart, resume from memory with the uninterrupted
 map keys every TP slice as a box of its global tensor; a TP2 snapshot reshards into TP1 (with other PP/DP)
 from memory and from the disk tier, every parameter and Adam moment bit-identical to the source's."""
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from inmem_ft.snapshot import catalog
 from inmem_ft.telemetry import read_losses
 
 from conftest import wait_for_log
+from ds_harness import free_port
 
 STEPS, INTERVAL = 8, 2
 ENV = {"DS_ACCELERATOR": "cpu"}
@@ -179,3 +183,48 @@ def test_partition_dims_come_from_the_module_else_from_the_config_rules():
     for bad in ({"x": -1}, {"x": "0"}, ["x"], {"": 0}):
         with pytest.raises(ConfigError, match="'partition_dims' = .*must map parameter-name patterns to a dim"):
             InmemFTBlock.from_dict({"partition_dims": bad})
+
+
+UNMARKED = textwrap.dedent("""
+    import os, sys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.argv[2], LOCAL_RANK=sys.argv[2],
+                      WORLD_SIZE="2")
+    import torch, deepspeed
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from inmem_ft.errors import ConfigError
+    from inmem_ft.examples.deepspeed_tp import GPT, ModelParallelUnit
+    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+
+    torch.set_num_threads(1)
+    disable_cpu_shm_comm()
+    deepspeed.init_distributed(dist_backend="gloo")
+    mpu = ModelParallelUnit(PipeModelDataParallelTopology(1, 2, 1))
+    torch.manual_seed(0)
+    model = GPT(1, 16, 2, 0.0, mpu)
+    del model.blocks[0].fc1.weight.tensor_model_parallel  # a split parameter its module does not mark
+    engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), mpu=mpu, config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})[0]
+    try:
+        install(engine, config={"interval": 1})  # refused before the SMP is ever asked
+        print("said: accepted")
+    except ConfigError as e:
+        print("said:", e)
+""")
+
+
+@pytest.mark.slow
+def test_an_unmarked_split_parameter_is_refused_naming_the_rule_to_add(runtime):
+    """TP2, two ranks: a column-parallel weight without Megatron's marks differs across the TP ranks, so
+    install() stops on both with a one-line ConfigError that names it and the config rule that would mark it."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", UNMARKED, port, str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        said = [line for line in out.splitlines() if line.startswith("said: ")]
+        assert said == ["said: inmem_ft: blocks.0.fc1.weight is not marked as split across tensor-parallel ranks "
+                        "(no tensor_model_parallel/partition_dim attributes, no 'partition_dims' rule) but differs "
+                        "between them; mark it, or add \"partition_dims\": {\"blocks.0.fc1.weight\": <dim>} to the "
+                        "inmem_ft config"]

@@ -57,6 +57,10 @@ class Handle:
         config = block.snapshot_config()
         self.zero_stage = int(engine.zero_optimization_stage())
         self.zero3 = self.zero_stage == 3
+        self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
+        # before the SMP is asked for anything: an unmarked split parameter is refused here (tensor_parallel.py)
+        self.tp = tensor_parallel.TensorParallel(engine, (self.pipe or reshard.ModuleKeys).key_of,
+                                                 block.partition_dims) if tensor_parallel.size_of(engine) > 1 else None
         dp_group = engine.seq_data_parallel_group
         self.snap = Snapshotter(config, dp_group=dp_group)
         self.rank, self.dp_rank, self.dp_size = self.snap.rank, self.snap.dp_rank, self.snap.dp_size
@@ -72,9 +76,6 @@ class Handle:
         self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
-        self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
-        self.tp = tensor_parallel.TensorParallel(engine, (self.pipe or reshard.ModuleKeys).key_of,
-                                                 block.partition_dims) if tensor_parallel.size_of(engine) > 1 else None
         self._unreported = Unreported(self.snap.metrics)
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
