@@ -29,8 +29,9 @@ WEIGHTS = {"layer_00.weight", "layer_01.pos.weight", *(f"layer_{i:02d}.{n}" for 
 KINDS = ("fp32_param", "exp_avg", "exp_avg_sq")
 HIDDEN = 64
 # (global shape, partition dim) of the split parameters of a block
-SPLIT = {"qkv.weight": ((3 * HIDDEN, HIDDEN), 0), "qkv.bias": ((3 * HIDDEN,), 0), "proj.weight": ((HIDDEN, HIDDEN), 1),
-         "fc1.weight": ((4 * HIDDEN, HIDDEN), 0), "fc1.bias": ((4 * HIDDEN,), 0), "fc2.weight": ((HIDDEN, 4 * HIDDEN), 1)}
+SPLIT = {"qkv.weight": ((3 * HIDDEN, HIDDEN), 0), "qkv.bias": ((3 * HIDDEN,), 0),
+         "proj.weight": ((HIDDEN, HIDDEN), 1), "fc1.weight": ((4 * HIDDEN, HIDDEN), 0),
+         "fc1.bias": ((4 * HIDDEN,), 0), "fc2.weight": ((HIDDEN, 4 * HIDDEN), 1)}
 
 
 def example(tp, pp, *extra, steps=STEPS, stage=1):
@@ -213,7 +214,6 @@ UNMARKED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_an_unmarked_split_parameter_is_refused_naming_the_rule_to_add(runtime):
     """TP2, two ranks: a column-parallel weight without Megatron's marks differs across the TP ranks, so
     install() stops on both with a one-line ConfigError that names it and the config rule that would mark it."""
@@ -227,4 +227,4 @@ def test_an_unmarked_split_parameter_is_refused_naming_the_rule_to_add(runtime):
         assert said == ["said: inmem_ft: blocks.0.fc1.weight is not marked as split across tensor-parallel ranks "
                         "(no tensor_model_parallel/partition_dim attributes, no 'partition_dims' rule) but differs "
                         "between them; mark it, or add \"partition_dims\": {\"blocks.0.fc1.weight\": <dim>} to the "
-                        "inmem_ft config"]
+                        "inmem_ft config (if it is meant to be the same on every rank, initialize it the same)"]

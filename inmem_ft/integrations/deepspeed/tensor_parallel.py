@@ -16,6 +16,7 @@ rank, so an unmarked split parameter is refused, not saved as a wrong box.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 
@@ -98,7 +99,8 @@ class TensorParallel:
             raise ConfigError(f"inmem_ft: {name} is not marked as split across tensor-parallel ranks (no "
                               f"tensor_model_parallel/partition_dim attributes, no 'partition_dims' rule) but "
                               f"differs between them; mark it, or add \"partition_dims\": {{\"{name}\": <dim>}} to "
-                              f"the inmem_ft config")
+                              f"the inmem_ft config (if it is meant to be the same on every rank, initialize it the "
+                              f"same)")
 
     # ---- shard specs ----------------------------------------------------------------------------------------
     def box(self, key: str, shape: tuple) -> tuple[tuple, tuple]:
@@ -123,8 +125,6 @@ class TensorParallel:
         return tree
 
     def _placed(self, spec):
-        import dataclasses
-
         key = spec.key
         if key.startswith(OPTIMIZER_STATE):
             key = key[len(OPTIMIZER_STATE):].split(".", 1)[1]
