@@ -56,7 +56,8 @@ def entries(cluster, step):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime, tmp_path_factory):
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (0, "fp32"), (1, "bf16")])
+def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime, tmp_path_factory, stage, dtype):
     """TP2 x PP2 on two nodes of two ranks (node 1: the last stage's two TP ranks): the reference run, then a
     run whose TP rank 1 of the last stage is killed after step 5 (snapshots at 2 and 4), and the restart:
     every rank resumes from step 4 in memory and the losses of steps 5-8 equal the reference's bit for bit.
@@ -67,7 +68,7 @@ def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime
     os.environ["INMEM_FT_RUNTIME_DIR"] = str(ref_dir / "run")
     try:
         with SimulatedCluster(2, 2, f"{job}r", 256 << 20, str(ref_dir / "logs"), env=ENV) as c:
-            run_ok(c, example(2, 2, "--loss-log", ref_dir / "loss.jsonl"))
+            run_ok(c, example(2, 2, "--dtype", dtype, "--loss-log", ref_dir / "loss.jsonl", stage=stage))
     finally:
         os.environ["INMEM_FT_RUNTIME_DIR"] = old
     ref = read_losses(ref_dir / "loss.jsonl")
@@ -75,23 +76,25 @@ def test_tp2_pp2_kill_and_resume_bit_identical_and_slices_are_boxes(job, runtime
 
     before, resumed = runtime / "before.jsonl", runtime / "resumed.jsonl"
     with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
-        attempt = cluster.run(example(2, 2, "--loss-log", before, "--die-at", 5, "--die-rank", 3))
+        attempt = cluster.run(example(2, 2, "--dtype", dtype, "--loss-log", before, "--die-at", 5, "--die-rank", 3,
+                                      stage=stage))
         assert not attempt.ok and attempt.returncodes[3] == -9
         assert read_losses(before) == {s: ref[s] for s in range(1, 6)}
-        attempt = run_ok(cluster, example(2, 2, "--loss-log", resumed))
+        attempt = run_ok(cluster, example(2, 2, "--dtype", dtype, "--loss-log", resumed, stage=stage))
         for rank in range(cluster.world_size):
             assert "step=4 source=memory" in cluster.rank_log(attempt.number, rank)
         cols = entries(cluster, STEPS)
     assert read_losses(resumed) == {s: ref[s] for s in range(5, STEPS + 1)}  # bit-identical
 
+    kinds = KINDS if stage else KINDS[1:]  # ZeRO-0 fp32 steps the weights themselves: no fp32 master
     boxes = {}
     for key, shape, offset, main in zip(cols["key"], cols["global_shape"], cols["offset"], cols["main"]):
         if main and not key.startswith("_"):
             boxes.setdefault(key, set()).add((tuple(shape), tuple(offset)))
-    assert set(boxes) == WEIGHTS | {f"optimizer.state.{k}.{w}" for k in KINDS for w in WEIGHTS}
+    assert set(boxes) == WEIGHTS | {f"optimizer.state.{k}.{w}" for k in kinds for w in WEIGHTS}
     for layer in (2, 3):
         for name, (shape, dim) in SPLIT.items():
-            for key in [f"layer_{layer:02d}.{name}", *(f"optimizer.state.{k}.layer_{layer:02d}.{name}" for k in KINDS)]:
+            for key in [f"layer_{layer:02d}.{name}", *(f"optimizer.state.{k}.layer_{layer:02d}.{name}" for k in kinds)]:
                 offsets = {offset[dim] for got, offset in boxes[key] if got == shape}
                 assert offsets == {0, shape[dim] // 2}, (key, boxes[key])
 
