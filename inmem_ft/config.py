@@ -140,6 +140,11 @@ class InmemFTBlock:
     reshard: str = "auto"
     """A job back on another layout (DP size, ZeRO stage): 'auto' rebuilds each rank's state from the old
     layout's snapshots; 'never' stops with LayoutMismatch instead."""
+    partition_dims: dict | None = None
+    """Tensor parallelism: {pattern: dim or null} for the parameters whose module does not mark how they are
+    split (Megatron's `tensor_model_parallel`/`partition_dim` attributes). A pattern (fnmatch) matches the
+    parameter's module name or its shard-map key; dim is the one its TP slices are cut along, null: the same
+    on every TP rank. The first matching pattern applies."""
     allow_untested: bool = False
     """Run on a DeepSpeed / megatron-core release outside inmem_ft.compat's tested range, with a warning
     (as $INMEM_FT_ALLOW_UNTESTED=1 does); by default such a release is refused at start."""
@@ -185,6 +190,11 @@ class InmemFTBlock:
                                        f"can be flushed")
         if self.reshard not in RESHARD:
             bad("reshard", f"must be one of {RESHARD}")
+        if self.partition_dims is not None and not (
+                isinstance(self.partition_dims, dict)
+                and all(isinstance(k, str) and k and (v is None or _is_int(v) and v >= 0)
+                        for k, v in self.partition_dims.items())):
+            bad("partition_dims", "must map parameter-name patterns to a dim (an integer >= 0) or null")
         self.snapshot_config()  # interval, on_error, staging_budget, timeout_s: checked where they live
 
     @property

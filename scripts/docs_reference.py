@@ -82,6 +82,8 @@ def _unit(name: str, annotation: str) -> str:
         return "number (seconds)"
     if "bool" in annotation:
         return "`true` | `false`"
+    if annotation.startswith("dict"):
+        return "object or `null`"
     if "int | str" in annotation:
         return "size (bytes, or a string such as `64GiB`)"
     kind = "integer" if annotation.startswith("int") else "string"

@@ -53,9 +53,12 @@ BUILD = textwrap.dedent("""
         def get_tensor_model_parallel_world_size(self):
             return 2
 
-    tp = engine(torch.nn.Linear(4, 4), optimizer=ADAM)
+    tp = engine(torch.nn.Linear(4, 4), optimizer=ADAM, zero_optimization={"stage": 3})
     tp.mpu = TensorParallel()
     print("tp:", refusal(tp))
+    autotp = engine(torch.nn.Linear(4, 4), optimizer=ADAM)
+    autotp.autotp_size = lambda: 2  # what "tensor_parallel": {"autotp_size": 2} gives (AutoTP needs 2 ranks)
+    print("autotp:", refusal(autotp))
     print("moe:", refusal(engine(Experts(), optimizer=ADAM)))  # ZeRO-0
     support.check_supported(engine(Experts(), optimizer=ADAM, zero_optimization={"stage": 1}))  # MoE at ZeRO-1
     print("offload:", refusal(engine(torch.nn.Linear(4, 4), zero_force_ds_cpu_optimizer=False,
@@ -68,10 +71,11 @@ def test_unsupported_deepspeed_layouts_are_refused(runtime):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     said = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(":")[0] in
-                {"version", "pipeline_bf16", "tp", "moe", "offload"})
+                {"version", "pipeline_bf16", "tp", "autotp", "moe", "offload"})
     assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said["version"]
     assert "bf16 under a PipelineModule with ZeRO-0" in said["pipeline_bf16"]
-    assert "tensor (model) parallelism through an mpu is not supported" in said["tp"]
+    assert "tensor parallelism (size 2) under ZeRO-3 is not supported" in said["tp"]
+    assert "DeepSpeed AutoTP training (tensor_parallel.autotp_size 2) is not supported" in said["autotp"]
     assert "mixture-of-experts layers are supported with ZeRO-1 and ZeRO-2, this engine runs ZeRO-0" in said["moe"]
     assert "optimizer offload to cpu is not supported" in said["offload"]
     assert all("\n" not in s for s in said.values())

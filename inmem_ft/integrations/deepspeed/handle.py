@@ -26,7 +26,7 @@ from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
 from ...universal.reshard import open_memory, open_newest
-from . import moe, pipeline, reshard, shards, stock, support, types
+from . import moe, pipeline, reshard, shards, stock, support, tensor_parallel, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
@@ -57,6 +57,10 @@ class Handle:
         config = block.snapshot_config()
         self.zero_stage = int(engine.zero_optimization_stage())
         self.zero3 = self.zero_stage == 3
+        self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
+        # before the SMP is asked for anything: an unmarked split parameter is refused here (tensor_parallel.py)
+        self.tp = tensor_parallel.TensorParallel(engine, (self.pipe or reshard.ModuleKeys).key_of,
+                                                 block.partition_dims) if tensor_parallel.size_of(engine) > 1 else None
         dp_group = engine.seq_data_parallel_group
         self.snap = Snapshotter(config, dp_group=dp_group)
         self.rank, self.dp_rank, self.dp_size = self.snap.rank, self.snap.dp_rank, self.snap.dp_size
@@ -72,7 +76,6 @@ class Handle:
         self._ours = (self.ckpt, not self.zero3 or engine.save_non_zero_checkpoint)
         engine.checkpoint_engine, engine.save_non_zero_checkpoint = self._ours
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
-        self.pipe = pipeline.Pipeline(engine) if engine.pipeline_parallelism else None
         self.moe = moe.Experts(engine) if engine.has_moe_layers else None
         self._unreported = Unreported(self.snap.metrics)
         self._wrap(engine)
@@ -167,11 +170,14 @@ class Handle:
             self.pipe.rekey(files)
         if self.moe is not None:
             self.moe.rekey(files)
+        if self.tp is not None:
+            self.tp.place(files)
         state = {"tag": tag, "step": step,
                  "files": {n: Replicated(sd) if self._replicated(n) else sd for n, sd in files.items()},
                  "rank": {"rng": capture_rng_state(), "extras": self.extra_state() if self.extra_state else None}}
         if self.pipe is not None:
-            state["layers"] = Replicated(self.pipe.layer_files())  # the same on every DP replica of the stage
+            layers = self.pipe.layer_files()  # the same on every DP replica of the stage
+            state["layers"] = Replicated(self.tp.place(layers) if self.tp is not None else layers)
             state["pipeline"] = {"names": self.pipe.names()}
         # overlap: the copy runs behind the next forward/backward; the wrapped step fences before the update.
         self.snap.save(step, state, overlap=True, topology=self._topology(files))
@@ -198,12 +204,12 @@ class Handle:
     def _layout(self) -> Topology:
         import deepspeed
 
-        pipe, experts = self.pipe, self.moe
+        pipe, tp, experts = self.pipe, self.tp, self.moe
         return Topology(framework="deepspeed", framework_version=deepspeed.__version__,
                         world_size=self.snap.world_size, dp=self.dp_size,
-                        tp=pipe.tp if pipe else int(self.engine.mp_world_size), pp=pipe.stages if pipe else 1,
+                        tp=tp.size if tp else 1, pp=pipe.stages if pipe else 1,
                         ep=experts.ep if experts else 1,  # a split of DP: a rank's dp coordinate names its experts
-                        coords={"dp": self.dp_rank, "tp": 0, "pp": pipe.stage if pipe else 0},
+                        coords={"dp": self.dp_rank, "tp": tp.rank if tp else 0, "pp": pipe.stage if pipe else 0},
                         zero_stage=self.zero_stage)
 
     def snapshot(self) -> None:
@@ -359,7 +365,7 @@ class Handle:
         try:
             pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
-            got = reshard.load(self.engine, rs, self.pipe or self.moe or reshard.ModuleKeys)
+            got = reshard.load(self.engine, rs, self.pipe or self.moe or reshard.ModuleKeys, boxes=self.tp)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}

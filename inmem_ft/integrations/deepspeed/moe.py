@@ -27,6 +27,7 @@ import re
 from ...errors import ConfigError
 from ...snapshot import Sharded
 from ...snapshot.annotate import OPTIMIZER_STATE, optimizer_key
+from . import tensor_parallel
 
 _EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
@@ -165,6 +166,8 @@ def _problem(engine) -> str | None:
         return "only deepspeed.moe.layer.MoE layers are supported, not AutoEP's (expert_parallel) replacement layers"
     if len({m.ep_size for m in moe}) > 1:
         return f"MoE layers of different expert-parallel sizes ({sorted({m.ep_size for m in moe})}) are not supported"
+    if tensor_parallel.size_of(engine) > 1:  # the slices' boxes are keyed by module name, not by global expert
+        return "mixture-of-experts layers together with tensor parallelism (an mpu) are not supported"
     if any(m.enable_expert_tensor_parallelism for m in moe):
         return "MoE layers with enable_expert_tensor_parallelism are not supported"
     buffers = [n for m in moe for n, _ in m.deepspeed_moe.experts.named_buffers()]

@@ -31,10 +31,9 @@ class Pipeline:
     def __init__(self, engine):
         from deepspeed.pipe import TiedLayerSpec
 
-        module, grid = engine.module, engine.grid
+        module = engine.module
         self.engine, self.module = engine, module
         self.stage, self.stages = int(engine.stage_id), int(engine.num_stages)
-        self.tp = int(grid.get_slice_parallel_world_size())
         self._parts = list(module.parts)  # stage s holds layers [parts[s], parts[s+1])
         self._tied_at: dict[str, int] = {}  # tied key -> the first layer index that uses it
         self._canonical: dict[int, int] = {}  # layer index -> the index its weights are keyed at

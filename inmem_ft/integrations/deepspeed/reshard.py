@@ -43,18 +43,27 @@ class ModuleKeys:
         return False
 
 
-def load(engine, rs: Resharding, keys=ModuleKeys) -> dict:
+class WholeBoxes:
+    """Where a plain engine's parameters sit in the global tensors: each is the whole of one. (Tensor-parallel
+    slices: tensor_parallel.TensorParallel.)"""
+
+    @staticmethod
+    def box(key: str, shape: tuple) -> tuple[tuple, tuple]:
+        return tuple(shape), (0,) * len(shape)
+
+
+def load(engine, rs: Resharding, keys=ModuleKeys, boxes=None) -> dict:
     """Collective: every rank's engine gets the snapshot's parameters, optimizer state, step, scheduler and
     counters, and this rank its RNG; returns {extras, seconds per phase}. `keys`: how this engine's parameters
     are named in the shard map (key_of) and which parameters of the snapshot other ranks' models hold
-    (held_elsewhere)."""
+    (held_elsewhere); `boxes`: which box of its global tensor each parameter is here (box; default whole)."""
     import deepspeed.comm as dist
 
     t0 = time.perf_counter()
     stage = int(engine.zero_optimization_stage())
     ok, error = 1, None
     try:  # every rank must hear of a failure before the collectives below, or they would wait forever
-        params = _plan(engine, rs, stage, keys)
+        params = _plan(engine, rs, stage, keys, boxes or WholeBoxes)
         model, _, inner = stock.model_and_optimizer(rs.job_state("files"), f"step {rs.step} of the old layout")
         if len(inner["param_groups"]) != len(engine.optimizer.param_groups):
             raise InmemFTError(f"the old layout's optimizer has {len(inner['param_groups'])} param groups, this "
@@ -99,8 +108,10 @@ def check_target(engine) -> None:
                           "fp32, or the snapshot's original layout")
 
 
-def _plan(engine, rs: Resharding, stage: int, names) -> list[tuple[str, torch.nn.Parameter, dict[str, str]]]:
-    """(name, parameter, {kind: key}) per parameter, checked against the snapshot before anything changes."""
+def _plan(engine, rs: Resharding, stage: int, names, boxes) -> list[tuple[str, torch.nn.Parameter, dict[str, str],
+                                                                         tuple]]:
+    """(name, parameter, {kind: key}, (offset, shape) of its box in the global tensor) per parameter, checked
+    against the snapshot before anything changes."""
     keys = rs.optimizer_keys()
     if not keys:
         raise InmemFTError(f"step {rs.step} of the old layout holds no optimizer state (taken before the first "
@@ -110,8 +121,10 @@ def _plan(engine, rs: Resharding, stage: int, names) -> list[tuple[str, torch.nn
         if not p.requires_grad:
             raise InmemFTError(f"{name} is frozen (requires_grad=False): resharding covers trained parameters "
                                f"only; restart with the snapshot's original layout")
-        kinds = keys.pop(names.key_of(name), {})
-        shape = tuple(p.ds_shape) if stage == 3 else tuple(p.shape)
+        key = names.key_of(name)
+        kinds = keys.pop(key, {})
+        local = tuple(p.ds_shape) if stage == 3 else tuple(p.shape)
+        shape, offset = boxes.box(key, local)
         if FP32 not in kinds:
             problems.append(f"{name}: no fp32 master weight in the snapshot")
             continue
@@ -120,7 +133,7 @@ def _plan(engine, rs: Resharding, stage: int, names) -> list[tuple[str, torch.nn
             problems.append(f"{name}: shape {shape} here, {got} in the snapshot")
         problems += [f"{key}: {rs.source.fragments.dtype(key)} in the snapshot, not float32" for key in kinds.values()
                      if rs.source.fragments.dtype(key) != torch.float32]
-        out.append((name, p, kinds))
+        out.append((name, p, kinds, (offset, local)))
     problems += [f"{name}: in the snapshot, not in this model" for name in sorted(keys)
                  if not names.held_elsewhere(name)]
     if problems:
@@ -162,7 +175,7 @@ def _fill(engine, rs: Resharding, stage: int, params, step) -> None:
                                  safe_set_local_optimizer_state)
 
     opt = engine.optimizer
-    kinds = sorted({kind for _, _, k in params for kind in k} - {FP32})
+    kinds = sorted({kind for _, _, k, _ in params for kind in k} - {FP32})
     flats = opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups
     for flat in flats:
         state = opt.optimizer.state[flat]  # torch's Adam state, created as its first step would
@@ -176,15 +189,15 @@ def _fill(engine, rs: Resharding, stage: int, params, step) -> None:
             lazy_init_hp_params_optimizer_state(lp, flat, opt.optimizer.state)
     # One scratch tensor for every piece: fresh pages fault once, not once per piece (several times the copy
     # on a loaded box), and memory stays at the largest parameter beyond the engine's own state.
-    scratch = torch.empty(max(p.partition_numel() if stage == 3 else p.numel() for _, p, _ in params))
-    for name, p, keys in params:
+    scratch = torch.empty(max(p.partition_numel() if stage == 3 else p.numel() for _, p, _, _ in params))
+    for name, p, keys, (offset, shape) in params:
         if stage == 3:
             part = p.partition_numel()
             lo, hi = _zero3_range(name, p, part, opt.dp_process_group)
             local = scratch[:part]
             local[hi - lo:] = 0  # the last partition's padding, as ZeRO-3 keeps it
             for kind, key in sorted(keys.items()):
-                rs.source.piece(key, flat=(lo, hi), out=local[: hi - lo])
+                rs.source.piece(key, offset, shape, flat=(lo, hi), out=local[: hi - lo])
                 if kind == FP32:
                     safe_set_local_fp32_param(p, local)
                     p.ds_tensor.data.copy_(local)
@@ -197,7 +210,7 @@ def _fill(engine, rs: Resharding, stage: int, params, step) -> None:
         lo, hi = where.start, where.start + where.numel
         full = scratch[: p.numel()]  # only [lo, hi) is read into, and only that is set
         for kind, key in sorted(keys.items()):
-            rs.source.piece(key, flat=(lo, hi), out=full[lo:hi])
+            rs.source.piece(key, offset, shape, flat=(lo, hi), out=full[lo:hi])
             if kind == FP32:
                 safe_set_full_fp32_param(p, full.view(p.shape))
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ... import compat
 from ...errors import ConfigError
-from . import moe
+from . import moe, tensor_parallel
 
 _WITHOUT = "remove the inmem_ft block (or set \"enabled\": false) to train with DeepSpeed's own checkpoints"
 
@@ -30,16 +30,18 @@ def check_supported(engine, version: str | None = None, allow_untested: bool = F
 
 
 def check_model_parallel(engine) -> None:
-    """Pipeline stages through a PipelineModule with ZeRO-0/1 are handled (pipeline.py); tensor parallelism
-    through an `mpu`, and pipeline stages an `mpu` declares without a PipelineModule, are refused by name."""
-    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_world_size
+    """Pipeline stages through a PipelineModule with ZeRO-0/1 are handled (pipeline.py), and tensor parallelism
+    through an `mpu` (tensor_parallel.py) with ZeRO-0/1/2; AutoTP training, tensor parallelism under ZeRO-3,
+    and pipeline stages an `mpu` declares without a PipelineModule are refused by name."""
+    from deepspeed.utils.bwc import bwc_pipeline_parallel_world_size
 
     pipeline = getattr(engine, "pipeline_parallelism", False)
     mpu = getattr(engine, "mpu", None)
-    tp = bwc_tensor_model_parallel_world_size(mpu)
-    if tp > 1:
-        raise ConfigError(f"inmem_ft: tensor (model) parallelism through an mpu is not supported (tensor-parallel "
-                          f"size {tp}); train with tensor-parallel size 1, or {_WITHOUT}")
+    tensor_parallel.check_autotp(engine)
+    tp = tensor_parallel.size_of(engine)
+    if tp > 1 and int(engine.zero_optimization_stage()) == 3:
+        raise ConfigError(f"inmem_ft: tensor parallelism (size {tp}) under ZeRO-3 is not supported; use ZeRO-1 or "
+                          f"2 with the mpu, or {_WITHOUT}")
     if not pipeline and bwc_pipeline_parallel_world_size(mpu) > 1:
         raise ConfigError(f"inmem_ft: pipeline stages declared by an mpu without a PipelineModule are not "
                           f"supported; build the model as a deepspeed.pipe.PipelineModule, or {_WITHOUT}")
