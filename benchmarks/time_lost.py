@@ -122,8 +122,7 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
         victim = _rank_pid(job, VICTIM)
         at = time.time()
         os.kill(victim, signum)
-        _wait(lambda: _recovery(_steps(loss_log), at) is not None
-              and _steps(loss_log)[-1]["step"] >= _recovery(_steps(loss_log), at)[1] + 2, run, "recovery")
+        _wait(lambda: _back_past(_steps(loss_log), at), run, "recovery")
     finally:
         run.stop()
         for seg in names_with_prefix(f"inmemft.{job}."):
@@ -158,6 +157,13 @@ def _recovery(records: list[dict], at: float) -> tuple[float, int, int | None] |
     reached = max(steps[:again])
     back = next((r for r in records[again:] if r["step"] >= reached), None)
     return (back["time"] - at, reached, steps[again] - 1) if back else None
+
+
+def _back_past(records: list[dict], at: float) -> bool:
+    """Whether training is back, and 2 steps past the step reached (so that no later record changes the
+    figure: a step the failed attempt still logged after `at` is followed by the restart's)."""
+    found = _recovery(records, at)
+    return found is not None and records[-1]["step"] >= found[1] + 2
 
 
 def _rank_pid(job: str, rank: int) -> int:
