@@ -238,3 +238,26 @@ def test_bad_input_is_refused_with_one_line(runtime, job, args, code, message):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, monkeypatch):
+    """The hand-over torch's SubprocessHandler gets from agent/standbys.py: torchrun's worker command runs in the
+    standby with exactly the given environment, its stdout and stderr into torch's files; any other command is
+    left to a cold start and leaves the standby waiting."""
+    from inmem_ft.agent.standbys import StandbyPool
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nprint('out', os.environ['RANK'], sys.argv[1:])\nprint('err', file=sys.stderr)\n")
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda line: None)
+    try:
+        assert pool.refill([str(tmp_path / "no-rank-yet.json")]) == 1
+        assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1
+        out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "RANK": "3"}
+        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.launcher.worker", "--", str(script), "a"], env,
+                              str(out), str(err))
+        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.waiting
+        assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"
+    finally:
+        pool.stop()
