@@ -375,8 +375,13 @@ def time_lost() -> str:
     split = [[case, f"{s['total_s']:.2f}", *(("-" if s["parts"][p] is None else f"{s['parts'][p]:.3f}") for p in parts)]
              for case, s in agent.items()]
     rss = [mib for r in data["runs"]["agent"] for mib in r.get("standby_rss_mib", [])]
-    memory = (f"\n\nEach warm standby held {min(rss)}-{max(rss)} MiB resident (VmRSS, shared library pages included)."
-              if rss else "")
+    held = f"{min(rss)}" if rss and min(rss) == max(rss) else f"{min(rss, default=0)}-{max(rss, default=0)}"
+    memory = f"\n\nEach warm standby held {held} MiB resident (VmRSS, shared library pages included)." if rss else ""
+    goals = data["goals"]
+    met = {True: "met", False: "not met"}
+    memory += (f"\n\nGoals on this run: a killed rank back within {goals['rank_kill_s']:g} s: "
+               f"{met[goals['rank_kill_met']]} ({data['cases']['agent']['lost_s']:.2f} s); a hang within the timeout "
+               f"+ 3 s ({goals['hang_s']:g} s): {met[goals['hang_met']]} ({data['cases']['agent, hang']['lost_s']:.2f} s).")
     return (_table(["case", f"{data['repeat']} runs (s lost)", "median (s)"], rows)
             + "\n\nThe agent's own split of the time lost on the failed rank's node (medians, s):\n\n"
             + _table(["case", "total", *parts], split) + memory
