@@ -382,18 +382,29 @@ def rewrite_readme(text: str) -> str:
     return _replace(text, FIGURES, readme_block(), "\n")
 
 
-def agent_time_lost() -> str:
-    """A killed rank through the torchrun launch script: `inmem-ft run` against plain torchrun, and the agent's
-    own split of the time lost."""
-    data = load()["agent_time_lost"]
-    runs = [[mode, ", ".join(f"{r['loss_log_s']:.2f}" for r in data["runs"][mode]),
-             f"{data['median_loss_log_s'][mode]:.2f}"] for mode in data["runs"]]
-    split = data["median_agent_split"]
-    parts = [k for k in split if k != "total_s"]
-    return (_table(["launcher (`INMEM_FT_AGENT`)", f"{data['repeat']} runs (s)", "median (s)"], runs)
-            + "\n\nThe agent's own split of the time lost (medians, s):\n\n"
-            + _table(parts, [[f"{split[k]:.3f}" for k in parts]])
-            + f"\n\nMeasured on: {where(data)}.")
+def time_lost() -> str:
+    """Time lost per failure through the launch script: torchrun's cold restart, `inmem-ft run` with standbys off
+    and on, a hang; and the agent's own split of each of its cases."""
+    data = load()["time_lost"]
+    rows = [[case, ", ".join(f"{r['lost_s']:.2f}" for r in data["runs"][case]), f"{s['lost_s']:.2f}"]
+            for case, s in data["cases"].items()]
+    agent = {case: s for case, s in data["cases"].items() if s.get("parts")}
+    parts = list(next(iter(agent.values()))["parts"]) if agent else []
+    split = [[case, f"{s['total_s']:.2f}", *(("-" if s["parts"][p] is None else f"{s['parts'][p]:.3f}") for p in parts)]
+             for case, s in agent.items()]
+    rss = [mib for r in data["runs"]["agent"] for mib in r.get("standby_rss_mib", [])]
+    held = f"{min(rss)}" if rss and min(rss) == max(rss) else f"{min(rss, default=0)}-{max(rss, default=0)}"
+    memory = f"\n\nEach warm standby held {held} MiB resident (VmRSS, shared library pages included)." if rss else ""
+    goals = data["goals"]
+    met = {True: "met", False: "not met"}
+    memory += (f"\n\nGoals on this run: a killed rank back within {goals['rank_kill_s']:g} s: "
+               f"{met[goals['rank_kill_met']]} ({data['cases']['agent']['lost_s']:.2f} s); a hang within the timeout "
+               f"+ 3 s ({goals['hang_s']:g} s): {met[goals['hang_met']]} ({data['cases']['agent, hang']['lost_s']:.2f} s).")
+    return (_table(["case", f"{data['repeat']} runs (s lost)", "median (s)"], rows)
+            + "\n\nThe agent's own split of the time lost on the failed rank's node (medians, s):\n\n"
+            + _table(["case", "total", *parts], split) + memory
+            + f"\n\nLauncher: {data['launcher']}; model: {data['model']}, {data['nodes']} nodes x "
+              f"{data['ranks_per_node']} ranks; hang timeout {data['hang_timeout_s']:g} s. Measured on: {where(data)}.")
 
 
 def pipe_save_figures() -> str:
@@ -405,7 +416,7 @@ def pipe_save_figures() -> str:
 GENERATORS = {"benchmarks": render_page, "deepspeed-pipe-save": pipe_save_figures, "plan-llama3": plan_llama3,
               "plan-sensitivity": plan_sensitivity,
               "plan-per-replica": plan_per_replica, "plan-inputs": plan_inputs, "scaling-nodes": scaling_nodes,
-              "agent-time-lost": agent_time_lost}
+              "time-lost": time_lost}
 
 
 def main() -> int:

@@ -1,103 +1,288 @@
-"""Time lost to a killed rank: restarts started cold vs handed to warm standbys, side by side in one run.
+"""Time lost per failure through the shipped SLURM script: a killed rank under torchrun's cold restart, under
+`inmem-ft run` with its warm standbys off and on, and a hung rank under `inmem-ft run` (detection included).
 
-    python benchmarks/time_lost.py [--quick] [--repeat N] [--json OUT] [--plot PNG]
+    python benchmarks/time_lost.py [--repeat N] [--hang-timeout S] [--json OUT] [--plot PNG]
 
-The demo's job (a small GPT, DeepSpeed ZeRO-2, 2 simulated nodes x 2 ranks, a snapshot every 20 steps,
-erasure-coded with m=1) runs under the supervisor of `inmem-ft launch`, and rank 3 is killed (-9) at step 110
-(--quick: 60), once with every rank of the restart started cold (`--no-standby`) and once with the ranks
-handed to warm standbys (the default). Each run reports the time from the kill to training back at the step it
-had reached, split into detection, teardown, node replacement, process start and imports, rendezvous, setup,
-restore and the steps computed again (inmem_ft/launcher/timelost.py: every figure from timestamps the run
-recorded). With --repeat the modes alternate and the figures are medians. The ratio standby/cold of each part
-is measured side by side; on a loaded machine only the ratios mean much.
+The demo model (the DeepSpeed GPT example, ZeRO-2, CPU, a snapshot every 5 steps) runs on 2 nodes x 2 ranks
+submitted with `sbatch launch_scripts/slurm_inmem.sbatch` to a real SLURM started on this machine
+(tests/slurm_cluster.py: a controller and two slurmd nodes); where SLURM cannot run, 2 nodes of
+`torchrun_inmem.sh` on this machine instead (the result says which). Once training runs (with standbys: once both
+nodes' standbys are ready), rank 3 gets SIGKILL, or SIGSTOP in the hang case, from outside. Every case is
+measured alike from the loss log: from the signal until training is back at the step it had reached. Runs of
+`inmem-ft run` also give its own split of that time (the failed node's time_lost.json). With --repeat the
+cases alternate and the figures are medians.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import time
+import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # runs from a checkout without installing the package
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # runs from a checkout without installing the package
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/slurm_cluster.py: the real SLURM the tests use
 
-from inmem_ft.launcher import scenario, timelost  # noqa: E402
-from inmem_ft.launcher.supervisor import Failure  # noqa: E402
+from inmem_ft.launcher.ports import free_port  # noqa: E402
+from inmem_ft.smp.segments import names_with_prefix, unlink  # noqa: E402
+from slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
-import report  # noqa: E402  benchmarks/report.py (the script's own folder is on sys.path)
+import report  # noqa: E402  benchmarks/report.py
 
-MODES = ("cold", "standby")
-
-
-def one_run(mode: str, kill: int, steps: int, work: str) -> dict:
-    argv = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", str(steps), "--interval", "20"]
-    timeline = scenario.run(2, 2, f"tl{mode}{os.getpid()}", 1 << 30, argv, [Failure("rank", kill, 3)], work,
-                            compare=False, parity=1, standby=mode == "standby",
-                            say=lambda line: report.say(f"  {mode}: {line}"))
-    if not timeline.ok or len(timeline.time_lost) != 1:
-        raise SystemExit(f"the {mode} run did not fail once and recover: see {work}")
-    return timeline.time_lost[0]
+# case -> (INMEM_FT_AGENT, INMEM_FT_STANDBYS, signal)
+CASES = {"torchrun": ("torchrun", "0", signal.SIGKILL), "agent, standbys off": ("inmem", "0", signal.SIGKILL),
+         "agent": ("inmem", "", signal.SIGKILL), "agent, hang": ("inmem", "", signal.SIGSTOP)}
+VICTIM = 3  # on the second node
+INTERVAL = 5
+SBATCH = ["sbatch", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=15", "--parsable"]
+SBATCH_SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "slurm_inmem.sbatch")
+NODE_SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "torchrun_inmem.sh")
+WAIT_S = 600
 
 
-def summary(splits: list[dict]) -> dict:
-    """Median total and median of each part over the repeats of one mode (parts as the first run split them)."""
-    parts = {}
-    for p in splits[0]["parts"]:
-        values = [next(q["seconds"] for q in s["parts"] if q["part"] == p["part"]) for s in splits]
-        parts[p["part"]] = None if None in values else statistics.median(values)
-    totals = [s["total_s"] for s in splits]
-    return {"total_s": None if None in totals else statistics.median(totals), "parts": parts,
-            "starts": [s["starts"] for s in splits], "steps_recomputed": [s["steps_recomputed"] for s in splits]}
+class Slurm:
+    """The job submitted to the SLURM cluster."""
+
+    def __init__(self, cluster: SlurmCluster, work: str, env: dict, argv: list[str]):
+        self.cluster, self.out = cluster, os.path.join(work, "slurm.out")
+        proc = cluster.run(*SBATCH, f"--output={self.out}", SBATCH_SCRIPT, *argv, env={**env,
+                                                                                      "SLURM_CONF": cluster.conf},
+                           cwd=ROOT)
+        self.id = proc.stdout.strip().split(";")[0]
+        if not self.id.isdigit():
+            raise SystemExit(f"sbatch failed: {proc.stderr}")
+
+    def output(self) -> str:
+        return _read(self.out)
+
+    def stop(self) -> None:
+        self.cluster.run("scancel", self.id)
+        if not self.cluster.wait_until(lambda: self.cluster.job_field(self.id, "JobState") not in
+                                       ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"), 120):
+            self.cluster.run("scancel", "--signal=KILL", "--full", self.id)
+
+
+class Script:
+    """Without SLURM: the node script run once per node on this machine."""
+
+    def __init__(self, work: str, env: dict, argv: list[str]):
+        self.logs = [os.path.join(work, f"node{n}.out") for n in range(2)]
+        self.procs = []
+        for node, log in enumerate(self.logs):
+            with open(log, "w") as out:
+                self.procs.append(subprocess.Popen(["bash", NODE_SCRIPT, *argv], env={**env, "NODE_RANK": str(node)},
+                                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                   start_new_session=True, cwd=work))
+
+    def output(self) -> str:
+        return "".join(map(_read, self.logs))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: float) -> dict:
+    agent, standbys, signum = CASES[case]
+    job = f"b{uuid.uuid4().hex[:10]}"
+    os.makedirs(work, exist_ok=True)
+    loss_log = os.path.join(work, "loss.jsonl")
+    runtime = os.environ["INMEM_FT_RUNTIME_DIR"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
+    env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), "PYTHONPATH": ROOT,
+                "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "INMEM_FT_RUNTIME_DIR":
+                runtime, "INMEM_FT_JOB": job, "INMEM_FT_MEMORY_BUDGET": "256MiB", "NNODES": "2",
+                "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "INMEM_FT_AGENT": agent, "INMEM_FT_WIPE_ON_EXIT": "1", "INMEM_FT_HANG_TIMEOUT": f"{hang_timeout:g}"})
+    if standbys:
+        env["INMEM_FT_STANDBYS"] = standbys
+    argv = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", "100000", "--interval",
+            str(INTERVAL), "--loss-log", loss_log]
+    run = Slurm(cluster, work, env, argv) if cluster else Script(work, env, argv)
+    try:
+        if standbys == "0":
+            _wait(lambda: _steps(loss_log) and _steps(loss_log)[-1]["step"] >= 4 * INTERVAL, run, "training")
+        else:
+            _wait(lambda: len(re.findall(r"agent node=\d event=standbys_ready", run.output())) == 2, run,
+                  "both nodes' standbys ready")
+        victim = _rank_pid(job, VICTIM)
+        at = time.time()
+        os.kill(victim, signum)
+        _wait(lambda: _back_past(_steps(loss_log), at), run, "recovery")
+    finally:
+        run.stop()
+        for seg in names_with_prefix(f"inmemft.{job}."):
+            unlink(seg)
+    lost, reached, restored = _recovery(_steps(loss_log), at)
+    out = {"lost_s": lost, "reached_step": reached, "restored_step": restored}
+    text = run.output()
+    rss = re.findall(r"event=standbys_ready count=\d+ rss_mib=([\d,]+)", text)
+    if rss:
+        out["standby_rss_mib"] = [int(x) for x in rss[0].split(",")]
+    if agent == "inmem":
+        splits = _read_json(os.path.join(runtime, job, "agent-node1", "time_lost.json"))
+        if not splits:
+            raise SystemExit(f"{case}: the failed node's agent wrote no time_lost.json:\n{text[-3000:]}")
+        split = splits[0]
+        out["agent_split"] = {"total_s": split["total_s"], "parts": {p["part"]: p["seconds"] for p in split["parts"]},
+                              "starts": split["starts"], "failure": split["failure"]}
+    return out
+
+
+def _recovery(records: list[dict], at: float) -> tuple[float, int, int | None] | None:
+    """(seconds from `at` until the loss log is back at the step reached, that step, the step restored) or None
+    while it is not back. A restart shows as a step logged again (not above the one before it); where the
+    restore was of the very step reached, the first step logged after `at` is the restart's."""
+    steps = [r["step"] for r in records]
+    again = next((i for i in range(1, len(records)) if records[i]["time"] > at and steps[i] <= steps[i - 1]), None)
+    if again is None:
+        first = next((i for i, r in enumerate(records) if r["time"] > at), None)
+        if first is None:
+            return None
+        return records[first]["time"] - at, max(steps[:first], default=0), steps[first] - 1
+    reached = max(steps[:again])
+    back = next((r for r in records[again:] if r["step"] >= reached), None)
+    return (back["time"] - at, reached, steps[again] - 1) if back else None
+
+
+def _back_past(records: list[dict], at: float) -> bool:
+    """Whether training is back, and 2 steps past the step reached (so that no later record changes the
+    figure: a step the failed attempt still logged after `at` is followed by the restart's)."""
+    found = _recovery(records, at)
+    return found is not None and records[-1]["step"] >= found[1] + 2
+
+
+def _rank_pid(job: str, rank: int) -> int:
+    """The process of `rank` in the job's first attempt (started cold: its environment names its rank)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"INMEM_FT_JOB") == job.encode() and env.get(b"RANK") == str(rank).encode():
+            return int(pid)
+    raise SystemExit(f"no process of rank {rank} of job {job}")
+
+
+def _wait(cond, run, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline or "event=torchrun_exit" in run.output():
+            raise SystemExit(f"{what}: not within {WAIT_S} s:\n{run.output()[-4000:]}")
+        time.sleep(0.1)
+
+
+def _steps(path: str) -> list[dict]:
+    return [json.loads(line) for line in _read(path).splitlines() if line.endswith("}")]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _read_json(path: str):
+    text = _read(path)
+    return json.loads(text) if text else None
+
+
+def summary(runs: list[dict]) -> dict:
+    """Medians over the repeats of one case: the time lost, and each part of the agent's split."""
+    out = {"lost_s": statistics.median(r["lost_s"] for r in runs)}
+    splits = [r["agent_split"] for r in runs if r.get("agent_split")]
+    if splits:
+        parts = {p: [s["parts"][p] for s in splits] for p in splits[0]["parts"]}
+        out.update(total_s=statistics.median(s["total_s"] for s in splits),
+                   parts={p: None if None in v else statistics.median(v) for p, v in parts.items()},
+                   starts=[s["starts"] for s in splits])
+    return out
 
 
 def plot(results: dict, path: str) -> None:
+    """Each case's runs and median (time lost from the signal, per the loss log), and the agent's split of each
+    of its cases (medians) as stacked bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 3))
+    cases = list(results["runs"])
+    fig, (runs, split) = plt.subplots(1, 2, figsize=(11, 3.2), gridspec_kw={"width_ratios": [1, 1.6]})
+    for row, case in enumerate(cases):
+        seconds = [r["lost_s"] for r in results["runs"][case]]
+        runs.plot(seconds, [row] * len(seconds), "o", alpha=0.7)
+        runs.plot([results["cases"][case]["lost_s"]], [row], "k|", markersize=20)
+    runs.set_yticks(range(len(cases)), cases)
+    runs.set_xlabel("s lost (signal to step reached, loss log)")
+    agent_cases = [c for c in cases if results["cases"][c].get("parts")]
     colors = plt.get_cmap("tab10").colors
-    for row, mode in enumerate(MODES):
+    for row, case in enumerate(agent_cases):
         left = 0.0
-        for i, (part, seconds) in enumerate(results[mode]["parts"].items()):
+        for i, (part, seconds) in enumerate(results["cases"][case]["parts"].items()):
             if seconds:
-                ax.barh(row, seconds, left=left, color=colors[i % 10], label=part if row == 0 else None)
+                split.barh(row, seconds, left=left, color=colors[i % 10], label=part if row == 0 else None)
                 left += seconds
-        ax.text(left, row, f" {results[mode]['total_s'] or left:.1f} s", va="center")
-    ax.set_yticks(range(len(MODES)), ["restart cold", "warm standbys"])
-    ax.set_xlabel("seconds from the kill to training back at the step it had reached")
-    ax.set_title(f"kill -9 rank 3 at step {results['kill_step']}, DeepSpeed ZeRO-2 GPT, 2 nodes x 2 ranks")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False, fontsize=8)
+    split.set_yticks(range(len(agent_cases)), agent_cases)
+    split.set_xlabel("inmem-ft run's own split (medians, s)")
+    split.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="kill at step 60 instead of 110")
-    p.add_argument("--repeat", type=int, default=1, help="runs per mode, alternating (default: 1)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per case, alternating (default: 3)")
+    p.add_argument("--hang-timeout", type=float, default=5.0, help="the agent's hang timeout, s (default: 5)")
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="draw a PNG of the split here")
+    p.add_argument("--plot", default=None, help="draw a PNG of the results here")
     args = p.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    kill = 60 if args.quick else 110
-    splits = report.alternating(MODES, args.repeat, lambda mode, i, work: one_run(mode, kill, kill + 10, work),
-                                label=lambda mode: f"restart {mode}")
-    results = {"machine": report.machine(), "kill_step": kill, "repeat": args.repeat, "runs": splits,
-               **{mode: summary(splits[mode]) for mode in MODES}}
-    cold, warm = results["cold"], results["standby"]
-    results["ratio_standby_to_cold"] = {
-        "total": warm["total_s"] / cold["total_s"] if warm["total_s"] and cold["total_s"] else None,
-        **{part: (warm["parts"].get(part) / s if s and warm["parts"].get(part) is not None else None)
-           for part, s in cold["parts"].items()}}
-    print(f"time lost to kill -9 rank 3 at step {kill} (s; medians of {args.repeat}):")
-    print(timelost.table([{**splits[mode][0], "failure": f"restart {mode}", "total_s": results[mode]["total_s"],
-                           "parts": [{"part": k, "seconds": v} for k, v in results[mode]["parts"].items()]}
-                          for mode in MODES]))
-    ratio = results["ratio_standby_to_cold"]
-    print("standby / cold: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items() if v is not None))
-    print(f"ranks of each restart: cold {cold['starts']}, standby {warm['starts']}; {results['machine']}")
+    why = unavailable()
+    cluster = None
+    if not why:
+        cluster = SlurmCluster()
+        cluster.start()
+    try:
+        runs = report.alternating(list(CASES), args.repeat,
+                                  lambda case, i, work: one_run(case, work, cluster, args.hang_timeout),
+                                  label=lambda case: f"{case}, rank {VICTIM} {signal.Signals(CASES[case][2]).name}")
+    finally:
+        if cluster:
+            cluster.stop()
+    cases = {case: summary(r) for case, r in runs.items()}
+    hang_goal = args.hang_timeout + 3
+    results = {"launcher": "slurm_inmem.sbatch on a real SLURM (2 slurmd nodes on this machine)" if cluster else
+               f"torchrun_inmem.sh, 2 nodes on this machine (SLURM not available: {why})",
+               "model": "deepspeed_gpt ZeRO-2 (2 layers, hidden 64), CPU", "nodes": 2, "ranks_per_node": 2,
+               "interval": INTERVAL, "victim_rank": VICTIM, "hang_timeout_s": args.hang_timeout,
+               "repeat": args.repeat, "machine": report.machine(), "runs": runs, "cases": cases,
+               # The planner reads the warm-standby restart's detection from here (inmem_ft/planning/inputs.py).
+               "standby": cases["agent"],
+               "goals": {"rank_kill_s": 3.0, "rank_kill_met": cases["agent"]["lost_s"] <= 3.0,
+                         "hang_s": hang_goal, "hang_met": cases["agent, hang"]["lost_s"] <= hang_goal}}
+    print(f"s lost per failure, from the signal to the step reached (medians of {args.repeat}; {results['launcher']}):")
+    for case, s in cases.items():
+        print(f"  {case:<20} {s['lost_s']:6.2f}" + (f"   agent's split: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in s["parts"].items() if v is not None) if s.get("parts") else ""))
+    print(f"goals: rank kill <= 3 s: {results['goals']['rank_kill_met']}; hang <= {hang_goal:g} s: "
+          f"{results['goals']['hang_met']}; {results['machine']}")
     report.write(results, args.json, plot, args.plot)
     return 0
 

@@ -84,6 +84,9 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_HANG_TIMEOUT", "`inmem-ft run`, launch scripts", "`300`", "seconds",
            "A rank whose heartbeat (one per step) is older than this is hung: its stacks go to the agent's log, "
            "then it is killed and the node's ranks restart. Same as `inmem-ft run --hang-timeout`."),
+    EnvVar("INMEM_FT_STANDBYS", "`inmem-ft run`, launch scripts", "one per local rank", "count",
+           "Warm standby processes per node that restarted ranks start on (they skip their imports); `0`: off. "
+           "Same as `inmem-ft run --standbys`."),
     EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
            "`inmem` runs the node under `inmem-ft run`; `torchrun` under plain torchrun (no hang detection, no "
            "time-lost report)."),

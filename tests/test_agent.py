@@ -1,7 +1,7 @@
 """Issue 25, items 1-3 on one node: `inmem-ft run` (torch's elastic agent with inmem_ft's) runs the plain PyTorch
-example with 2 ranks; a SIGKILLed rank and a hung (SIGSTOPped) rank are recovered from the SMP with losses
-bit-identical to the uninterrupted run, the hung rank's stack lands in the agent's log, and the time each
-failure cost is reported, its parts adding up to the total."""
+example with 2 ranks; a SIGKILLed rank (restarted cold, or on warm standbys) and a hung (SIGSTOPped) rank are
+recovered from the SMP with losses bit-identical to the uninterrupted run, the hung rank's stack lands in the
+agent's log, and the time each failure cost is reported, its parts adding up to the total."""
 import json
 import os
 import re
@@ -19,6 +19,7 @@ from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.telemetry import read_losses
 
 STEPS, INTERVAL, FAIL_AT = 12, 3, 7  # the restart resumes from the snapshot of step 6
+LONG = 1500  # steps of a run killed from outside once its standbys are ready
 HANG_TIMEOUT_S = 3
 EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]
 
@@ -48,13 +49,15 @@ def time_lost(tmp) -> list[dict]:
         return json.load(f)
 
 
-def check_split(split: dict) -> None:
-    """Every part measured, and they add up to the total."""
+def check_split(split: dict, failed_at: int | None = FAIL_AT) -> None:
+    """Every part measured, and they add up to the total; the step restored is that before `failed_at` (None:
+    the failure came at an unknown step)."""
     assert split["total_s"] is not None and all(p["seconds"] is not None for p in split["parts"]), split
     assert sum(p["seconds"] for p in split["parts"]) == pytest.approx(split["total_s"], abs=1e-6)
     assert [p["part"] for p in split["parts"]] == ["detection", "teardown", "agent rendezvous", "start and imports",
                                                    "rendezvous", "setup", "restore", "recompute"]
-    assert split["restored_step"] == FAIL_AT // INTERVAL * INTERVAL or split["restored_step"] >= FAIL_AT
+    if failed_at is not None:
+        assert split["restored_step"] == failed_at // INTERVAL * INTERVAL or split["restored_step"] >= failed_at
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +71,11 @@ def reference(tmp_path_factory):
 
 
 def test_killed_rank_restarts_through_torchs_agent_bit_identical_and_reports_time_lost(reference, tmp_path):
-    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"])
+    """With standbys off: every rank of the restart starts cold, as under torchrun."""
+    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"],
+                        ["--standbys", "0"])
     assert rc == 0, out
+    assert "event=standbys_started" not in out and "event=ranks_started attempt=2 from_standby=0 cold=2" in out
     assert "failed (exitcode: -9) local_rank: 1" in out  # torch's agent saw the crash and restarted
     assert "restore rank=1 step=6 source=memory" in out
     steps = [json.loads(line)["step"] for line in open(tmp_path / "loss.jsonl")]
@@ -97,6 +103,58 @@ def test_hung_rank_is_dumped_killed_and_recovered_bit_identical(reference, tmp_p
     assert split["failure"].startswith(f"no heartbeat for over {HANG_TIMEOUT_S} s from rank(s) [0, 1]")
     detection = split["parts"][0]["seconds"]
     assert HANG_TIMEOUT_S <= detection < HANG_TIMEOUT_S + 3  # the monitor polls every 0.1 s; a loaded box lags
+    # Standbys were started once both ranks beat, well before the hang was found: the restart took them (ready,
+    # or still importing on a loaded box).
+    assert sum(split["starts"].get(how, 0) for how in ("standby", "standby still importing")) == 2, split
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("long")
+    rc, out = run_agent(tmp, f"t{uuid.uuid4().hex[:10]}", ["--steps", str(LONG)], ["--standbys", "0"], 600)
+    assert rc == 0, out
+    return read_losses(tmp / "loss.jsonl")
+
+
+@pytest.mark.slow
+def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_reference, tmp_path, job):
+    """Once the node's standbys have imported what the ranks did, kill -9 rank 1: both local ranks restart on
+    standbys (torchrun's environment and log files, torch's restart count), resume from the SMP, and every loss
+    is the uninterrupted run's."""
+    cmd, env = agent_command(tmp_path, job, ["--steps", str(LONG)])
+    out = tmp_path / "agent.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "event=standbys_ready count=2" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        victim = json.loads((tmp_path / "work" / "attempt1" / "rank1.json").read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for seg in names_with_prefix(f"inmemft.{job}."):
+            unlink(seg)
+    text = out.read_text()
+    assert "event=ranks_started attempt=2 from_standby=2 cold=0" in text, text
+    assert read_losses(tmp_path / "loss.jsonl") == long_reference
+    [split] = time_lost(tmp_path)
+    assert "rank 1 exited with -9 (SIGKILL)" in split["failure"] and split["starts"] == {"standby": 2}, split
+    check_split(split, None)
+    # Killed at any moment, a step's snapshot may be incomplete: the one before it is restored.
+    assert split["reached_step"] - 2 * INTERVAL <= split["restored_step"] <= split["reached_step"], split
+    assert "ranks_started=standby:2" in text
+    # The restarted ranks are torchrun's: its environment, its per-attempt log files.
+    for rank in (0, 1):
+        record = json.loads((tmp_path / "work" / "attempt2" / f"rank{rank}.json").read_text())
+        assert record["standby"] and record["ready"] <= record["assigned"], record
+        logs = next((tmp_path / "work" / "logs").glob(f"*/attempt_1/{rank}"))
+        assert f"restore rank={rank} step=" in (logs / "stderr.log").read_text()
+    assert re.search(r"restore rank=1 step=\d+ source=memory", text)
 
 
 def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
@@ -180,3 +238,26 @@ def test_bad_input_is_refused_with_one_line(runtime, job, args, code, message):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, monkeypatch):
+    """The hand-over torch's SubprocessHandler gets from agent/standbys.py: torchrun's worker command runs in the
+    standby with exactly the given environment, its stdout and stderr into torch's files; any other command is
+    left to a cold start and leaves the standby waiting."""
+    from inmem_ft.agent.standbys import StandbyPool
+
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nprint('out', os.environ['RANK'], sys.argv[1:])\nprint('err', file=sys.stderr)\n")
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda line: None)
+    try:
+        assert pool.refill([str(tmp_path / "no-rank-yet.json")]) == 1
+        assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1
+        out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+        env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "RANK": "3"}
+        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.launcher.worker", "--", str(script), "a"], env,
+                              str(out), str(err))
+        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.waiting
+        assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"
+    finally:
+        pool.stop()

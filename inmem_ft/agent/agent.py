@@ -1,10 +1,12 @@
 """torch's elastic agent (what torchrun runs), with what inmem_ft adds on each node: the node's SMP for the length
-of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), and the
-time each failure costs (clock.py). Restarts are torch's own: every local rank stops, the agents rendezvous
-again, every rank starts anew and restores from the SMPs.
+of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), warm
+standby processes the restarted ranks start on (standbys.py), and the time each failure costs (clock.py).
+Restarts are torch's own: every local rank stops, the agents rendezvous again, every rank starts anew (on a
+standby where one waits) and restores from the SMPs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from ..launcher.worker import RECORD_DIR
 from . import hangs
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
+from .standbys import StandbyPool, from_standbys, onto
 
 KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
 
@@ -34,6 +37,7 @@ class AgentOptions:
     dump_wait_s: float
     work_dir: str
     wipe_on_exit: str  # finished, 1 or 0
+    standbys: int | None = None  # warm standby processes; None: one per local rank
 
 
 class InmemAgent(LocalElasticAgent):
@@ -46,6 +50,8 @@ class InmemAgent(LocalElasticAgent):
         self._attempt = 0
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
+        count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
+        self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
 
     def say(self, text: str) -> None:
         """One `[inmem_ft] agent node=N event=...` line in the job's log."""
@@ -66,6 +72,8 @@ class InmemAgent(LocalElasticAgent):
             raise
         finally:
             self.clock.close()
+            if self.standbys:
+                self.standbys.stop()
             if self.smp:
                 finished = result is not None and result.state == WorkerState.SUCCEEDED
                 wipe = self.opts.wipe_on_exit == "1" or (self.opts.wipe_on_exit == "finished" and finished
@@ -81,7 +89,9 @@ class InmemAgent(LocalElasticAgent):
         # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
         os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
         launched_at = time.time()
-        pids = super()._start_workers(worker_group, *args, **kwargs)
+        with self._onto_standbys():
+            pids = super()._start_workers(worker_group, *args, **kwargs)
+        self._say_started(worker_group)
         self._alive_at = None
         logs = self._pcontext.stderrs
         self.clock.launched(self._attempt, launched_at, {
@@ -112,6 +122,7 @@ class InmemAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self._alive_at = polled_at
             self.clock.poll(beats)
+            self._refill_standbys(worker_group, beats)
             hung = hangs.stale(beats, time.time(), self.opts.hang_timeout_s) if self.opts.hang_timeout_s else []
             if hung:
                 return self._recover_hang(worker_group, beats, hung)
@@ -119,6 +130,29 @@ class InmemAgent(LocalElasticAgent):
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
         return result
+
+    # ---- warm standbys -----------------------------------------------------------------------------------
+    def _onto_standbys(self):
+        """The ranks start on standbys (those there are; the rest cold, as torch starts them)."""
+        if not self.standbys or not self.standbys.waiting:
+            return contextlib.nullcontext()
+        return onto(self.standbys)
+
+    def _say_started(self, worker_group) -> None:
+        warm = from_standbys(self._pcontext)
+        self.say(f"event=ranks_started attempt={self._attempt} from_standby={warm} "
+                 f"cold={len(worker_group.workers) - warm}")
+
+    def _refill_standbys(self, worker_group, beats: dict[int, dict]) -> None:
+        """Once every local rank beats and no restart is being timed (training runs), top the standbys up; each
+        preloads what one of the running ranks imported (its worker record)."""
+        if not self.standbys:
+            return
+        if len(beats) == len(worker_group.workers) and not self.clock.pending:
+            attempt_dir = os.path.join(self.opts.work_dir, f"attempt{self._attempt}")
+            self.standbys.refill([os.path.join(attempt_dir, f"rank{w.global_rank}.json")
+                                  for w in worker_group.workers])
+        self.standbys.say_when_ready()
 
     # ---- hangs --------------------------------------------------------------------------------------------
     def _recover_hang(self, worker_group, beats: dict[int, dict], hung: list[int]) -> RunResult:

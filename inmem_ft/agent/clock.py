@@ -73,7 +73,9 @@ class RecoveryClock:
                  for rank, (record, log) in self._ranks.items()}
         split = timelost.measure(restart, ranks, self._back, end_note)
         self.splits.append(split)
-        self.say(f"event=time_lost failure=\"{restart.cause}\" {timelost.describe(split)} (json: {self.json_path})")
+        starts = ",".join(f"{how.replace(' ', '_')}:{n}" for how, n in sorted(split["starts"].items()))
+        self.say(f"event=time_lost failure=\"{restart.cause}\" {timelost.describe(split)} "
+                 f"ranks_started={starts or 'none'} (json: {self.json_path})")
         write_record(self.json_path, self.splits)
 
 

@@ -27,6 +27,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
+
+
 def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
@@ -53,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
                         "or $INMEM_FT_HANG_TIMEOUT)")
     g.add_argument("--dump-wait", type=_seconds, default=1.0, metavar="S",
                    help="seconds a hung rank has to print its stacks before it is killed (default: 1)")
+    g.add_argument("--standbys", type=_count, default=env("INMEM_FT_STANDBYS"), metavar="N",
+                   help="warm standby processes: each has imported torch and what the ranks import (a few hundred "
+                        "MiB of host memory each, no GPU memory) and waits to become a restarted rank, which then "
+                        "skips its imports; 0: off, every restart cold (default: one per local rank, or "
+                        "$INMEM_FT_STANDBYS)")
     g.add_argument("--work-dir", default=None, metavar="DIR",
                    help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
     g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=("finished", "1", "0"),
@@ -80,7 +91,7 @@ def options(args):
     return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
-                        work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit)
+                        work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys)
 
 
 def through_worker(args) -> None:

@@ -14,7 +14,8 @@
 #   3. exports INMEM_FT_JOB, INMEM_FT_NODE and INMEM_FT_SMP_SOCKET for the trainers and runs torchrun's
 #      agent with inmem_ft's (`inmem-ft run`, torchrun's options) with --max-restarts: when a worker fails
 #      or hangs (no heartbeat for INMEM_FT_HANG_TIMEOUT seconds: its stacks go to the log, then it is
-#      killed), the agent stops the survivors and restarts every rank, and the restarted ranks restore from
+#      killed), the agent stops the survivors and restarts every rank (on warm standby processes, see
+#      INMEM_FT_STANDBYS), and the restarted ranks restore from
 #      the SMPs, which outlive the restarts; the agent logs the time each failure cost, part by part;
 #   4. when the job ends (success, failure, SIGTERM/SIGINT/SIGHUP) stops the SMP (on a signal at once,
 #      with SIGTERM, so that it writes its newest complete step to INMEM_FT_PERSIST_DIR first). A job that
@@ -52,6 +53,9 @@
 #                           /tmp/inmem_ft-<uid>); the SMP log is <dir>/<job>/node<NODE_RANK>.log
 #   INMEM_FT_HANG_TIMEOUT   seconds without a heartbeat (one per step) after which a rank is hung (default 300;
 #                           0: off)
+#   INMEM_FT_STANDBYS       warm standby processes per node for `inmem-ft run` (default: one per local rank;
+#                           0: off): they have imported torch and what the ranks import, and the restarted
+#                           ranks start on them instead of importing everything again
 #   INMEM_FT_AGENT          inmem (default: `inmem-ft run`) or torchrun (plain torchrun: no hang detection,
 #                           no time-lost report)
 #   PYTHON, TORCHRUN        the interpreter, and the torchrun INMEM_FT_AGENT=torchrun uses (default: `python`,

@@ -7,9 +7,11 @@ the supervisor can split the time a failure costs into process start and imports
 
 A warm standby imports every module the rank's previous process has imported (listed in that process's
 RECORD, which that process keeps current and the standby follows), and waits for its assignment: one JSON
-line on stdin with the command (`argv`), the complete environment (`env`) and the log file (`log`). It then
-becomes what a cold start of that command would be: its environment replaced by the assignment's, stdin
-/dev/null, stdout and stderr the log, and the command run as __main__. What it skips is the imports, which
+line on stdin with the command (`argv`), the complete environment (`env`) and the files for its output
+(`stdout`, `stderr`; null: keep the standby's own, which it inherited from its launcher). It then becomes what
+a cold start of that command would be: its environment replaced by the assignment's, stdin /dev/null, stdout
+and stderr those files (appended to: the launcher created them, as it does for a cold start), and the command
+run as __main__. What it skips is the imports, which
 cost seconds per rank. Nothing is initialised ahead (no process group, no device, no draw from a random
 generator), so a restart from a standby is as correct as a cold one. Should the preload have drawn from
 torch's generator, the standby says so in its record and, once assigned, execs a cold start of the rank.
@@ -181,28 +183,31 @@ def standby(previous_record: str) -> None:
         sys.exit(0)  # the launcher is done with us
     assignment = json.loads(line)
     assigned = time.time()
-    take_over_io(assignment["log"])
+    take_over_io(assignment["stdout"], assignment["stderr"])
     if refused:
         print(f"[inmem_ft] standby: {refused}; starting this rank cold", flush=True)
         os.execve(sys.executable, [sys.executable, "-m", __spec__.name, "--", *assignment["argv"]],
                   assignment["env"])
     os.environ.clear()
     os.environ.update(assignment["env"])
-    record = Record(os.environ.get(RECORD), standby=True)
+    record = Record(record_path(), standby=True)
     record.note(assigned=assigned, ready=ready)
     run(assignment["argv"], record)
 
 
-def take_over_io(log: str) -> None:
-    """stdin /dev/null and stdout, stderr the rank's log, as the launcher gives a cold start."""
+def take_over_io(stdout: str | None, stderr: str | None) -> None:
+    """stdin /dev/null, and stdout, stderr the rank's files where the launcher gives it some, as for a cold start."""
     sys.stdout.flush()
     sys.stderr.flush()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for fd, target in ((0, devnull), (1, out), (2, out)):
-        os.dup2(target, fd)
-    os.close(devnull)
-    os.close(out)
+    opened = {}
+    for fd, path in ((0, os.devnull), (1, stdout), (2, stderr)):
+        if path:
+            if path not in opened:
+                flags = os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                opened[path] = os.open(path, flags, 0o644)
+            os.dup2(opened[path], fd)
+    for target in opened.values():
+        os.close(target)
 
 
 def main() -> None:

@@ -125,7 +125,7 @@ class Costs:
     protect_s_per_gib: float = 4.86
     restore_s_per_gib: float = 2.02
     rebuild_s_per_gib: float = 5.26
-    detect_s: float = 0.0764
+    detect_s: float = 0.484
     restart_s: float = 30.0
     hang_timeout_s: float = 60.0
     # The SMPs' CPU seconds per node fell from 2 to 8 nodes: a falling slope is not extrapolated.
@@ -161,7 +161,8 @@ SOURCES = {
     "protect_s_per_gib": f"{_NODES}: commit -> protected, G=2 m=1, 2 nodes, loopback",
     "restore_s_per_gib": f"{_NODES}: a rank maps its slot, copies it out, verifies its checksum, 2 nodes",
     "rebuild_s_per_gib": f"{_NODES}: a replacement SMP rebuilt from its group, 2 nodes",
-    "detect_s": f"benchmarks/time_lost.py ({TIME_LOST_RESULT}): detection of a killed rank, warm standbys",
+    "detect_s": f"benchmarks/time_lost.py ({TIME_LOST_RESULT}): detection of a killed rank by `inmem-ft run` "
+                "(warm standbys) through the SLURM script",
     "restart_s": "assumption: a job-wide restart at scale (scheduling onto a spare node, process start, NCCL "
                  "init, which takes tens of seconds at 32K+ GPUs per NVIDIA/nccl PR 1789)",
     "hang_timeout_s": "inmem-ft launch --heartbeat-timeout default",
@@ -174,7 +175,7 @@ SOURCES = {
 
 def costs_from_results(paths: list[str], base: Costs | None = None) -> Costs:
     """Costs with what the given result files measured: benchmarks/scaling.py (size_slope, nodes, nodes_slope)
-    and benchmarks/time_lost.py (the warm-standby restart's detection)."""
+    and benchmarks/time_lost.py (the detection of a rank killed under `inmem-ft run` with warm standbys)."""
     costs = base or Costs()
     found: dict[str, float] = {}
     where: dict[str, str] = {}
