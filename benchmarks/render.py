@@ -319,8 +319,17 @@ def readme_block() -> str:
                      f"{_fmt(pipe['inmem_blocking_s'], '_s')} per snapshot, against "
                      f"{_fmt(pipe['torch_engine_s'], '_s')} for `save_checkpoint` to local disk "
                      f"(ratio {pipe['ratio_vs_torch_engine']:.3f}) ³")
-    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save", "deepspeed_pipe_save") if n in results]
-    lines += [""] + [f"{'¹²³'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
+    lost = results.get("time_lost")
+    if lost:
+        cases = lost["cases"]
+        lines.append(f"- Time lost per failure through `{lost['launcher'].split()[0]}`, {lost['nodes']} nodes x "
+                     f"{lost['ranks_per_node']} ranks, DeepSpeed demo model: a killed rank "
+                     f"{_fmt(cases['agent']['lost_s'], '_s')} with `inmem-ft run`'s warm standbys against "
+                     f"{_fmt(cases['torchrun']['lost_s'], '_s')} for torchrun's cold restart; a hung rank "
+                     f"{_fmt(cases['agent, hang']['lost_s'], '_s')} with a {lost['hang_timeout_s']:g} s hang timeout ⁴")
+    notes = [(n, results[n]) for n in ("deepspeed_save", "megatron_save", "deepspeed_pipe_save", "time_lost")
+             if n in results]
+    lines += [""] + [f"{'¹²³⁴'[i]} {where(d, link=True)}." for i, (_, d) in enumerate(notes)]
     return "\n".join(lines).strip()
 
 
