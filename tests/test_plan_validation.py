@@ -1,7 +1,7 @@
 """The goodput simulator against a measured run: `inmem-ft launch` runs the demo's failure schedule (a killed
 rank 10 steps after a snapshot, then a lost node 10 steps after one; here a hang in between too), and the
 simulator, given what this machine measured (step time, protection lag, and each restart's parts up to the
-restore: detection of a crash, teardown, node replacement, start, rendezvous, setup, restore), predicts the time
+restore: detection of a crash, teardown, agent rendezvous, start, rendezvous, setup, restore), predicts the time
 lost: which snapshot each failure falls back to, the steps computed again, the hang's detection wait. It must
 land within 20% of what the launch measured."""
 import json

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.launcher.standby import StandbyPool
 from inmem_ft.telemetry import read_losses, write_record
@@ -74,6 +76,8 @@ def test_a_job_restarted_on_warm_standbys_resumes_bit_identically(job, runtime):
     assert {s: resumed[s] for s in range(16, 20)} == {s: before[s] for s in range(16, 20)}  # bit-identical
 
 
+@pytest.mark.xfail(strict=True, reason="`inmem-ft launch` runs the agent per node, and the agent keeps no warm "
+                   "standbys yet: every restart starts cold")
 def test_a_command_whose_imports_must_follow_its_own_code_turns_standbys_off_and_still_finishes(job, runtime):
     """As the Megatron example's CPU shim does: `guard.install()` refuses once `needs_guard` is imported, which
     a standby has done already. The rank it started fails, standbys go off, the next restart is cold."""
