@@ -90,12 +90,12 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
            "`inmem` runs the node under `inmem-ft run`; `torchrun` under plain torchrun (no hang detection, no "
            "time-lost report)."),
-    # Set by `inmem-ft launch` (the simulated cluster) for the processes it starts.
-    EnvVar("INMEM_FT_ATTEMPT", "`inmem-ft launch` workers", "set by the launcher", "count from 1",
+    # Set by the simulated cluster (launcher/simulated.py, the tests' and benchmarks' harness) and the agent.
+    EnvVar("INMEM_FT_ATTEMPT", "ranks of the simulated cluster", "set by the launcher", "count from 1",
            "Which attempt (restart) of the job a rank belongs to.", internal=True),
-    EnvVar("INMEM_FT_HEARTBEAT_DIR", "`inmem-ft launch` workers", "set by the launcher", "directory",
-           "Where each rank's heartbeat file goes (hang detection).", internal=True),
-    EnvVar("INMEM_FT_WORKER_RECORD", "`inmem-ft launch` workers", "set by the launcher", "path",
+    EnvVar("INMEM_FT_HEARTBEAT_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
+           "Where each rank's heartbeat record goes (hang detection).", internal=True),
+    EnvVar("INMEM_FT_WORKER_RECORD", "ranks of the simulated cluster", "set by the launcher", "path",
            "Where a worker records its start (time lost per failure).", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
            "Where each local rank records its start, as `rank<RANK>.json` (time lost per failure).", internal=True),

@@ -1,17 +1,19 @@
-"""What a trainer tells the outside world: a per-rank heartbeat file, the loss log, and log lines.
+"""What a trainer tells the outside world: a per-rank heartbeat, the loss log, and log lines.
 
-Supervisors (`inmem-ft launch`, the demo) read heartbeats and losses to notice hung ranks, to inject
-failures at a given step and to draw the timeline. Both are opt-in through environment variables the
-supervisor sets, and cost one small file write per step. No torch at import: the SMP daemon logs through
-here too.
+Supervisors (`inmem-ft run`'s agent, `inmem-ft launch`, the demo) read heartbeats and losses to notice hung
+ranks, to inject failures at a given step and to draw the timeline. Both are opt-in through environment
+variables the supervisor sets; a heartbeat costs a few memory stores per step, the loss log one line from
+rank 0. No torch at import: the SMP daemon logs through here too.
 """
 from __future__ import annotations
 
 import faulthandler
 import json
 import logging
+import mmap
 import os
 import signal
+import struct
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [inmem_ft] %(message)s"
@@ -20,9 +22,28 @@ LOSS_LOG = "INMEM_FT_LOSS_LOG"
 
 
 class Heartbeat:
+    """This rank's heartbeat: a small record in a file of its own that this process maps into memory once, so
+    that a beat is a few stores into that mapping (no system call, no serialisation) beside the training step.
+
+    Why a mapped file and not a message to the SMP: a message costs a socket round trip per step, and the
+    heartbeat must keep working when the SMP is what died or hangs (the agent restarts a dead SMP, and an
+    `inmem-ft launch` run may have none of its own); a file in the supervisor's folder has no such dependency,
+    and the supervisor reads it with read_heartbeats() whatever beats it. The file is created 0600 (owner only).
+
+    The per-step fields (step, done, snapshot_step, stall_s, bytes) live in the mapping; anything else a
+    caller passes (the restore's details: once per process) goes to a JSON file beside it, off the hot path.
+    A reader never sees a half-written record: a beat writes the slot not published, then publishes it by
+    its number (two slots, so that a rank stopped in the middle of a beat still shows its last whole one).
+    """
+
     def __init__(self, directory: str, rank: int):
-        self.path = os.path.join(directory, f"rank{rank}.json")
-        self.state: dict = {"rank": rank, "pid": os.getpid(), "attempt": os.environ.get("INMEM_FT_ATTEMPT")}
+        self.rank = rank
+        self.path = os.path.join(directory, f"rank{rank}{BEAT_SUFFIX}")
+        self.extra_path = os.path.join(directory, f"rank{rank}.json")
+        self._map: mmap.mmap | None = None
+        self._seq = 0
+        self._values = [os.getpid(), -1, 0.0, 0, -1, -1.0, -1]  # the _BODY fields, -1: not reported (yet)
+        self._extra: dict = {}
 
     @classmethod
     def from_env(cls, rank: int) -> "Heartbeat | None":
@@ -33,8 +54,88 @@ class Heartbeat:
         return cls(directory, rank)
 
     def beat(self, **fields) -> None:
-        self.state.update(fields, time=time.time())
-        write_record(self.path, self.state)
+        values, extra = self._values, False
+        for name, value in fields.items():
+            index = _FIELD_INDEX.get(name)
+            if index is None:
+                self._extra[name], extra = value, True
+            else:
+                values[index] = -1 if value is None else value
+        values[2] = time.time()  # vDSO: no system call
+        if self._map is None:
+            self._map = self._create()
+        self._seq += 1
+        _BODY.pack_into(self._map, _slot(self._seq), *values)
+        _SEQ.pack_into(self._map, 0, self._seq)  # published
+        if extra:
+            write_record(self.extra_path, {"pid": values[0], **self._extra})
+
+    def _create(self) -> mmap.mmap:
+        """The record file, whole before it appears under its name (a reader never finds it short)."""
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, RECORD_SIZE)
+            mapped = mmap.mmap(fd, RECORD_SIZE)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        return mapped
+
+
+# The mapped record, little-endian: the number of beats published, then two slots of the per-step fields; beat
+# n is in slot n % 2.
+BEAT_SUFFIX = ".beat"
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<qqdqqdq")  # pid, step, time, done, snapshot_step, stall_s, bytes
+_FIELDS = ("pid", "step", "time", "done", "snapshot_step", "stall_s", "bytes")
+_FIELD_INDEX = {name: i for i, name in enumerate(_FIELDS) if name not in ("pid", "time")}
+RECORD_SIZE = _SEQ.size + 2 * _BODY.size
+READ_TRIES = 100
+
+
+def _slot(seq: int) -> int:
+    return _SEQ.size + (seq % 2) * _BODY.size
+
+
+def read_beat(path: str) -> dict | None:
+    """The last beat recorded in the heartbeat file `path` (fields a beat never reported left out); None if
+    there is none (yet)."""
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), RECORD_SIZE, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return None
+    with mapped:
+        for _ in range(READ_TRIES):
+            (seq,) = _SEQ.unpack_from(mapped, 0)
+            if seq == 0:
+                return None  # created, not beaten yet
+            body = _BODY.unpack_from(mapped, _slot(seq))
+            if _SEQ.unpack_from(mapped, 0)[0] == seq:  # no beat overwrote that slot meanwhile
+                break
+        else:  # it beats faster than this reads: the next look will do
+            return None
+    beat = dict(zip(_FIELDS, body))
+    beat["done"] = bool(beat["done"])
+    return {k: v for k, v in beat.items() if v != -1}
+
+
+def read_heartbeats(directory: str) -> dict[int, dict]:
+    """Every rank's last beat in `directory` (rank -> fields), with what it reported beside them (restored)."""
+    out = {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if not (name.startswith("rank") and name.endswith(BEAT_SUFFIX)):
+            continue
+        rank = name[len("rank"):-len(BEAT_SUFFIX)]
+        beat = read_beat(os.path.join(directory, name)) if rank.isdigit() else None
+        if beat is None:
+            continue
+        extra = read_record(os.path.join(directory, f"rank{rank}.json")) or {}
+        if extra.get("pid") == beat["pid"]:  # else an earlier process of the rank wrote it
+            beat = {**extra, **beat}
+        out[int(rank)] = {"rank": int(rank), **beat}
+    return out
 
 
 STACK_SIGNAL = signal.SIGUSR1  # a supervisor that finds this rank hung asks for its stacks with it
@@ -62,16 +163,6 @@ def read_record(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def read_heartbeats(directory: str) -> dict[int, dict]:
-    out = {}
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if name.startswith("rank") and name.endswith(".json"):
-            beat = read_record(os.path.join(directory, name))
-            if beat is not None:
-                out[beat["rank"]] = beat
-    return out
 
 
 def log_to_stderr(level: int = logging.INFO) -> None:

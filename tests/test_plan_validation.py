@@ -1,7 +1,7 @@
 """The goodput simulator against a measured run: `inmem-ft launch` runs the demo's failure schedule (a killed
 rank 10 steps after a snapshot, then a lost node 10 steps after one; here a hang in between too), and the
 simulator, given what this machine measured (step time, protection lag, and each restart's parts up to the
-restore: detection of a crash, teardown, node replacement, start, rendezvous, setup, restore), predicts the time
+restore: detection of a crash, teardown, agent rendezvous, start, rendezvous, setup, restore), predicts the time
 lost: which snapshot each failure falls back to, the steps computed again, the hang's detection wait. It must
 land within 20% of what the launch measured."""
 import json
@@ -14,6 +14,25 @@ from inmem_ft.planning.simulate import Restart, Schedule, Strategy, simulate
 STEPS, INTERVAL, HEARTBEAT_S = 240, 20, 8.0
 SCHEDULE = (("--kill-rank", "110:1"), ("--hang-rank", "170:0"), ("--kill-node", "230:1"))
 KINDS = {"kill -9": "crash", "hang": "hang", "lose node": "node"}
+# The example's steps take well under a millisecond here: paced to 20 ms, as a real step would take at least, so
+# that a failure `inmem-ft launch` injects from outside (it polls the heartbeats every 50 ms) lands within a few
+# steps of the one asked for, and the lost node at step 230 before the job's last step.
+PACED = """
+import time
+import inmem_ft
+from inmem_ft.examples import plain_pytorch
+
+report = inmem_ft.report_loss
+
+
+def paced(*args, **kwargs):
+    report(*args, **kwargs)
+    time.sleep(0.02)
+
+
+inmem_ft.report_loss = paced
+plain_pytorch.main()
+"""
 
 
 def step_seconds(losses: list[dict]) -> float:
@@ -47,11 +66,13 @@ def predict(timeline: dict, losses: list[dict]) -> tuple[list[float], list[float
 
 def test_the_simulator_predicts_the_time_a_launch_run_lost_within_20_percent(runtime, job):
     work = runtime / "launch"
+    script = runtime / "train.py"
+    script.write_text(PACED)
     out = subprocess.run(
         [sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir", str(work), "--ranks-per-node", "1",
          "--parity", "1", "--no-compare", "--heartbeat-timeout", str(HEARTBEAT_S),
          *[a for pair in SCHEDULE for a in pair],
-         "--", "-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)],
+         "--", str(script), "--steps", str(STEPS), "--interval", str(INTERVAL)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     timeline = json.loads((work / "timeline.json").read_text())

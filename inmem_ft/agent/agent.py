@@ -127,6 +127,7 @@ class InmemAgent(LocalElasticAgent):
             if hung:
                 return self._recover_hang(worker_group, beats, hung)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._standbys_off_if_they_failed(result)
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
         return result
@@ -137,6 +138,21 @@ class InmemAgent(LocalElasticAgent):
         if not self.standbys or not self.standbys.waiting:
             return contextlib.nullcontext()
         return onto(self.standbys)
+
+    def _standbys_off_if_they_failed(self, result: RunResult) -> None:
+        """The first rank to fail of a restart on standbys, before training got back, failed on its own (an
+        exception, not a signal): most likely the command's imports depend on what it does before them (a patch
+        that must precede an import), which a standby has imported already. Cold starts from now on; the job goes
+        on."""
+        if not (self.standbys and self.standbys.count and self.clock.pending and from_standbys(self._pcontext)
+                and result.failures):
+            return
+        first = min(result.failures.values(), key=lambda f: f.timestamp)
+        if first.exitcode > 0:
+            said = _last_line(self._pcontext.stderrs.get(first.local_rank, ""))
+            self.standbys.off(f"local rank {first.local_rank}, started on a standby, exited with {first.exitcode} "
+                              f"before training got back (its imports may have to follow its own code)"
+                              + (f": {said}" if said else ""))
 
     def _say_started(self, worker_group) -> None:
         warm = from_standbys(self._pcontext)
@@ -205,3 +221,14 @@ def _describe(result: RunResult) -> str:
         return f"the worker group became {result.state.name}"
     return "; ".join(f"rank {rank} exited with {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
                      for rank, f in sorted(result.failures.items()))
+
+
+def _last_line(path: str) -> str:
+    """The last line a rank wrote to its log (its exception, when it raised one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""

@@ -16,8 +16,6 @@ import time
 from ..launcher import timelost
 from ..telemetry import read_record, write_record
 
-RELAUNCH = "agent rendezvous"
-
 
 class RecoveryClock:
     def __init__(self, json_path: str, say):
@@ -40,8 +38,9 @@ class RecoveryClock:
         reached = max((b.get("step", 0) for b in beats.values()), default=None)
         if failed_at is None and not note:
             note = "when it failed is unknown (it died before its first poll): counted from its detection"
-        self._restart = timelost.Restart(cause, failed_at, now, now, reached, note, relaunch=RELAUNCH)
+        self._restart = timelost.Restart(cause, failed_at, now, now, reached, note)
         self._ranks, self._back = {}, []  # the failed attempt's ranks are not the restart's
+        self.say(f"event=failure_detected failure=\"{cause}\"")
 
     def stopped(self) -> None:
         if self._restart is not None:

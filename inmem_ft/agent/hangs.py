@@ -1,8 +1,8 @@
 """Hung ranks: which ones, and their stacks into their logs before they are killed.
 
-A rank beats once per step (the Snapshotter's heartbeat file, telemetry.Heartbeat); one whose last beat is
-older than the timeout while it still runs is hung. Before the first beat of a process (imports, rendezvous,
-restore) nothing is judged: those phases have no steps to count.
+A rank beats once per step (the Snapshotter's heartbeat, telemetry.Heartbeat: a few stores into a mapped file);
+one whose last beat is older than the timeout while it still runs is hung. Before the first beat of a process
+(imports, rendezvous, restore) nothing is judged: those phases have no steps to count.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ DUMP_POLL_S = 0.02
 
 def beats_of(directory: str, pids: dict[int, int]) -> dict[int, dict]:
     """The heartbeats of the processes now running (global rank -> pid), only: a file an earlier process of
-    the rank left says nothing of now."""
+    the rank left says nothing of now. The one reader of heartbeats for the agent and `inmem-ft launch`."""
     return {r: b for r, b in read_heartbeats(directory).items() if pids.get(r) == b.get("pid")}
 
 

@@ -57,8 +57,7 @@ class StandbyPool:
         why = standby.refused(self.handed)
         if why or not records or len(self.waiting) >= self.count:
             if why and self.count:
-                self.say(f"event=standbys_off: {why}")
-                self.count = 0
+                self.off(why)
             return 0
         os.makedirs(self.dir, exist_ok=True)
         new = self.count - len(self.waiting)
@@ -72,6 +71,12 @@ class StandbyPool:
         self._said_ready = False
         self.say(f"event=standbys_started count={new} waiting={len(self.waiting)}")
         return new
+
+    def off(self, why: str) -> None:
+        """No standbys from now on: restarts start cold."""
+        self.stop()
+        self.count = 0
+        self.say(f"event=standbys_off: {why}")
 
     def say_when_ready(self) -> None:
         """One line once every waiting standby is done importing, with what each holds in memory."""

@@ -19,7 +19,7 @@ from .supervisor import Failure, Supervisor, Timeline
 
 # What a run writes into its work folder; a new run removes exactly these, so nothing of an earlier run
 # (heartbeats, losses, logs) can leak into its timeline, and nothing else in the folder is touched.
-RUN_OUTPUTS = ("heartbeats*", "loss.jsonl", "reference-loss.jsonl", "logs", "reference", "timeline.json")
+RUN_OUTPUTS = ("agents", "loss.jsonl", "reference-loss.jsonl", "logs", "reference", "timeline.json")
 PROGRESS_EVERY_S = 15.0
 
 
@@ -64,9 +64,10 @@ def run(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str],
         work_dir: str, *, compare: bool = True, heartbeat_timeout_s: float = 60.0, max_restarts: int = 5,
         parity: int | None = None, group_size: int | None = None, standby: bool = True,
         say: Callable[[str], None] = lambda line: print(line, flush=True)) -> Timeline:
-    """`parity` m turns erasure coding on: a lost node is rebuilt from its group's survivors. `standby`: restarts
-    hand ranks to warm standby processes (launcher/standby.py), else every rank of a restart starts cold. `say`
-    gets progress and each timeline line as it happens."""
+    """`parity` m turns erasure coding on: a lost node is rebuilt from its group's survivors. Each node runs
+    `inmem-ft run`, the agent production runs (launcher/supervisor.py); `standby` is the agents' warm standbys
+    (`--standbys`, one per local rank; off: every rank of a restart starts cold). `say` gets progress and each
+    timeline line as it happens."""
     for f in failures:
         f.check(nodes, nodes * ranks_per_node)
     clear_work_dir(work_dir)
@@ -74,12 +75,10 @@ def run(nodes: int, ranks_per_node: int, job: str, budget: int, argv: list[str],
     # A fresh per-job secret authenticates the simulated nodes' SMPs to each other.
     env = {"INMEM_FT_SECRET": os.environ.get("INMEM_FT_SECRET") or secrets.token_hex(16)}
     wipe_job(job, nodes)
-    cluster = SimulatedCluster(nodes, ranks_per_node, job, budget, os.path.join(work_dir, "logs"), env,
-                               parity=parity, group_size=group_size, workers="standby" if standby else "cold")
     say("run with failures:\n" + Timeline.HEADER)
-    with cluster:
-        timeline = Supervisor(cluster, argv, failures, heartbeat_timeout_s=heartbeat_timeout_s,
-                              max_restarts=max_restarts, work_dir=work_dir, live=say).run()
+    timeline = Supervisor(nodes, ranks_per_node, job, budget, argv, failures, work_dir=work_dir, env=env,
+                          heartbeat_timeout_s=heartbeat_timeout_s, max_restarts=max_restarts, parity=parity,
+                          group_size=group_size, standby=standby, live=say).run()
     timeline.reference = reference
     return timeline
 

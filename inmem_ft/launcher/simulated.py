@@ -1,7 +1,8 @@
 """Several "nodes" on one machine: each its own SMP process, segment namespace and socket.
 
 Losing a node here means what it means on a cluster: its trainer processes and its SMP die (SIGKILL)
-and its memory is gone (its segments are unlinked).
+and its memory is gone (its segments are unlinked). The tests and benchmarks run ranks on it directly, with
+the torchrun variables set; `inmem-ft launch` runs an agent per node instead (supervisor.py).
 """
 from __future__ import annotations
 
@@ -67,9 +68,7 @@ class SimulatedCluster:
         self.placement: dict[int, int] | None = None  # rank -> node; None: node-major, as torchrun's static rdzv
         self.workers = workers
         self.standbys = StandbyPool(log_dir) if workers == "standby" else None
-        self.launched_at: float | None = None  # time.time() when the attempt began starting its ranks
         self.started_as: dict[int, str] = {}  # rank -> how this attempt started it: "standby", "cold" or "plain"
-        self.exit_times: dict[int, float] = {}  # rank -> time.time() of its exit, this attempt
         self.failure = threading.Event()  # some rank of this attempt exited with an error
         self._store = None  # the running attempt's rendezvous store, when served from here
         os.makedirs(log_dir, exist_ok=True)
@@ -166,11 +165,10 @@ class SimulatedCluster:
         """Start every rank of one attempt running `python argv...` with the torchrun variables set.
         `placement` (rank -> node) puts global ranks on other nodes than last time, as torchrun's c10d
         rendezvous may after a re-queue."""
-        self.launched_at = time.time()
         self.attempts += 1
         self.placement = placement
         # New objects per attempt: a watcher of the last attempt that wakes late must not touch this one's.
-        self.exit_times, self.started_as, self.failure = {}, {}, threading.Event()
+        self.started_as, self.failure = {}, threading.Event()
         timed = self.workers != "plain" and worker.runnable(argv)
         store = self._agent_store() if timed else None
         port = store.port if store else free_port()
@@ -195,7 +193,7 @@ class SimulatedCluster:
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.started_as[rank] = how
             self.procs[rank] = proc
-            threading.Thread(target=self._watch, args=(rank, proc, self.exit_times, self.failure), daemon=True).start()
+            threading.Thread(target=self._watch, args=(proc, self.failure), daemon=True).start()
 
     def _agent_store(self):
         """A rendezvous store served from here, one per attempt, as torchrun's agent serves one (every rank a
@@ -208,11 +206,9 @@ class SimulatedCluster:
         return self._store
 
     @staticmethod
-    def _watch(rank: int, proc: subprocess.Popen, exit_times: dict, failure: threading.Event) -> None:
-        """Note the moment the rank exits, and wake whoever waits for a failure."""
-        code = proc.wait()
-        exit_times[rank] = time.time()
-        if code != 0:
+    def _watch(proc: subprocess.Popen, failure: threading.Event) -> None:
+        """Wake whoever waits for a failure once the rank exits with one."""
+        if proc.wait() != 0:
             failure.set()
 
     def record_path(self, attempt: int, rank: int) -> str:
@@ -241,12 +237,6 @@ class SimulatedCluster:
     def starts(self) -> dict[str, int]:
         """How many ranks of this attempt started each way ("standby", "cold", "plain")."""
         return dict(Counter(self.started_as.values()))
-
-    def standbys_off(self) -> None:
-        """From now on every rank starts cold."""
-        if self.standbys:
-            self.standbys.stop()
-        self.standbys, self.workers = None, "cold"
 
     def failed_ranks(self) -> list[int]:
         return [r for r, p in self.procs.items() if p.poll() not in (None, 0)]

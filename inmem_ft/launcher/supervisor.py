@@ -1,27 +1,36 @@
-"""Run a training command on a simulated cluster, inject failures, restart, and keep a timeline.
+"""Run a training command on a simulated cluster, inject failures, and keep a timeline.
 
-The supervisor does what torchrun's agent and an operator do on a real cluster: when a rank dies or stops
-sending heartbeats it stops the survivors and restarts every rank (on warm standbys, where the cluster keeps
-them); when a node is lost it brings up a replacement SMP under the lost node's id. The ranks themselves
-decide where to restore from. For each failure it measures the time until training is back at the step it
-had reached, part by part (launcher/timelost.py).
+Each simulated node is what runs on a real one: `inmem-ft run` (agent/agent.py, torch's elastic agent with
+inmem_ft's), which starts and supervises its node's SMP and ranks, finds crashed and hung ranks, restarts the
+ranks and measures the time each failure cost. What is here is what the cluster and an operator do: the
+agents' rendezvous store (a cluster's rendezvous service: it outlives any node), the failures, injected from
+outside (kill -9 a rank, stop one, lose a node: its agent, ranks, SMP and memory, then a replacement agent under
+the node's id, as SLURM or Kubernetes would start one), and the timeline, drawn from what the agents, their
+ranks and the SMPs report.
 """
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+
 from .. import telemetry
 from ..agent import hangs
+from ..cluster.options import ECOptions
 from ..errors import ConfigError
+from ..smp import control, inventory, nodelock, paths
 from . import timelost
-from .simulated import SimulatedCluster
+from .ports import free_port
 
-POLL_S = 0.05  # heartbeats, failure injection, recovery; a rank's exit wakes the supervisor at once
+POLL_S = 0.05  # heartbeats and failure injection; also the agents' monitor interval
+STOP_WAIT_S = 30.0  # how long agents get to stop their ranks and SMPs once the run is over
 
 
 @dataclass
@@ -93,28 +102,109 @@ class Timeline:
         return "\n".join([self.HEADER] + [self.line(e) for e in self.events])
 
 
+class NodeAgent:
+    """One node's `inmem-ft run`, in a session of its own (so that losing the node takes its ranks with it)."""
+
+    def __init__(self, node: int, incarnation: int, command: list[str], argv: list[str], env: dict, work_dir: str):
+        self.node = node
+        self.work_dir = os.path.join(work_dir, "agents", f"node{node}-{incarnation}")
+        self.log = os.path.join(work_dir, "logs", f"agent-node{node}-{incarnation}.log")
+        os.makedirs(os.path.dirname(self.log), exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen([*command, "--work-dir", self.work_dir, "--", *argv], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines = telemetry.Tail(self.log)
+        self.reported = 0  # entries of its time_lost.json already taken
+        self._pids: tuple[str, dict[int, int]] = ("", {})  # the newest attempt's ranks' pids, as found so far
+
+    def attempt_dir(self) -> str | None:
+        """Where the agent's newest attempt keeps its ranks' records and heartbeats."""
+        numbers = [int(n[len("attempt"):]) for n in os.listdir(self.work_dir)
+                   if n.startswith("attempt") and n[len("attempt"):].isdigit()] if os.path.isdir(self.work_dir) else []
+        return os.path.join(self.work_dir, f"attempt{max(numbers)}") if numbers else None
+
+    def beats(self) -> dict[int, dict]:
+        """The heartbeats of the ranks the agent runs now (global rank -> beat), by their worker records' pids."""
+        attempt = self.attempt_dir()
+        if attempt is None:
+            return {}
+        if self._pids[0] != attempt:
+            self._pids = (attempt, {})
+        pids = self._pids[1]
+        for name in os.listdir(attempt):  # a rank's record names its pid once it runs; read each once
+            m = re.fullmatch(r"rank(\d+)\.json", name)
+            if m and int(m.group(1)) not in pids:
+                record = telemetry.read_record(os.path.join(attempt, name))
+                if record and record.get("pid"):
+                    pids[int(m.group(1))] = record["pid"]
+        return hangs.beats_of(os.path.join(attempt, "heartbeats"), {r: p for r, p in pids.items() if _running(p)})
+
+    def new_splits(self) -> list[dict]:
+        """What the agent's clock measured since the last look (agent/clock.py)."""
+        splits = telemetry.read_record(os.path.join(self.work_dir, "time_lost.json")) or []
+        new, self.reported = splits[self.reported:], len(splits)
+        return new
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, ranks: list[int]) -> None:
+        """SIGKILL the agent and every process under it, as a node's power loss would: `ranks` (pids) first,
+        before the job can take another step without them, then whatever else runs under the agent."""
+        os.kill(self.proc.pid, signal.SIGSTOP)  # it starts nothing more
+        for pid in ranks:
+            hangs.kill(pid)
+        for pid in [*_descendants(self.proc.pid), self.proc.pid]:
+            hangs.kill(pid)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM, on which the agent stops its ranks and its SMP; SIGKILL past STOP_WAIT_S."""
+        if self.running():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.kill([])
+
+
 class Supervisor:
-    def __init__(self, cluster: SimulatedCluster, argv: list[str], failures: list[Failure], *,
-                 heartbeat_timeout_s: float = 60.0, max_restarts: int = 5, work_dir: str,
-                 live: Callable[[str], None] | None = None):
-        """`live` gets each timeline line as it happens (the CLI prints them)."""
-        self.cluster, self.argv, self.failures, self.live = cluster, argv, failures, live
-        self.heartbeat_timeout_s, self.max_restarts, self.work_dir = heartbeat_timeout_s, max_restarts, work_dir
+    def __init__(self, nodes: int, ranks_per_node: int, job: str, memory_budget: int, argv: list[str],
+                 failures: list[Failure], *, work_dir: str, env: dict, heartbeat_timeout_s: float = 60.0,
+                 max_restarts: int = 5, parity: int | None = None, group_size: int | None = None,
+                 standby: bool = True, live: Callable[[str], None] | None = None):
+        """`live` gets each timeline line as it happens (the CLI prints them). `parity` m turns erasure coding on
+        across the nodes' SMPs."""
+        self.nodes, self.job, self.argv = nodes, paths.check_job(job), argv
+        self.world_size = nodes * ranks_per_node
+        self.failures, self.live, self.work_dir = failures, live, work_dir
+        self.max_restarts = max_restarts
         self.loss_log = os.path.join(work_dir, "loss.jsonl")
-        self._losses = telemetry.Tail(self.loss_log)
-        self._loss_records: list[dict] = []
+        first = free_port(nodes)  # one block, reserved until this process exits: no two nodes share a port
+        peers = ",".join(f"{n}=127.0.0.1:{first + n}" for n in range(nodes))
+        self.ec = None if parity is None else ECOptions(parity, nodes, peers, group_size)
+        smp_args = self.ec.argv() if self.ec else ["--peers", peers]
+        # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
+        self.env = {"OMP_NUM_THREADS": "1", **os.environ, **env, telemetry.LOSS_LOG: self.loss_log}
+        self._store = None
+        self._command = ["--nnodes", str(nodes), "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d",
+                         "--rdzv-id", self.job, "--max-restarts", str(max_restarts), "--monitor-interval", str(POLL_S),
+                         "--job", self.job, "--memory-budget", str(memory_budget), "--smp-args", shlex.join(smp_args),
+                         "--hang-timeout", f"{heartbeat_timeout_s:g}", "--wipe-on-exit", "1",
+                         *([] if standby else ["--standbys", "0"])]
+        self.agents: dict[int, NodeAgent] = {}
+        self.incarnations: dict[int, int] = {}
         self.timeline = Timeline()
         self._t0 = time.monotonic()
-        # (attempt, step) -> {rank: stall seconds} as each rank's heartbeat reported the snapshot
-        self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # None: reported
-        self._lost_nodes: list[int] = []
-        self._injected: list[tuple[float, str]] = []  # this attempt's failures: (time.time() of the signal, what)
-        self._restart: timelost.Restart | None = None  # the failure being recovered from
-        self._standbys_started = False  # this attempt's
-        self._smp_logs: dict[int, telemetry.Tail] = {}  # replaced node -> its new SMP's lines in its log
-        # With erasure coding, every SMP's log (its replacements append to it): which step is protected, when.
-        self._ec_logs = {node: telemetry.Tail(cluster.smp_log(node), from_end=True)
-                         for node in range(cluster.nodes)} if cluster.ec is not None else {}
+        self._generation = 0  # failures detected so far: the ranks' snapshots and restores are keyed by it
+        self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # (generation, step) -> stalls
+        self._restored_seen = False
+        self._gone: set[int] = set()  # pids of ranks a detected failure ended (they may beat a moment longer)
+        self._injected: list[tuple[float, str]] = []  # (time.time(), what): injected, not recovered yet
+        self._detected_by: int | None = None  # the node whose agent noticed the failure being recovered first
+        self._protected_then: int | None = None  # with erasure coding: the step protected on every node then
+        self._smp_logs = {n: telemetry.Tail(paths.default_log(self.job, n), from_end=True) for n in range(nodes)}
+        self._rebuild_logs: dict[int, telemetry.Tail] = {}  # replaced node -> its new SMP's lines
         self._protecting: dict[int, set[int]] = {}  # step -> nodes that logged it protected, until all have
         self._protect_reasons: dict[int, str] = {}  # step -> why a node protected it other than on `complete`
         self.protected: tuple[int, float] | None = None  # (step, timeline time) it was protected on every node
@@ -125,20 +215,29 @@ class Supervisor:
         if self.live:
             self.live(Timeline.line(e))
 
+    # ---- the cluster ------------------------------------------------------------------------------------------
+    def _start_agent(self, node: int) -> None:
+        """Node `node`'s agent. Torch numbers the nodes of a rendezvous in the order of their addresses: each
+        gets a loopback address of its own, in node order, so that a replacement takes the lost node's place."""
+        self.incarnations[node] = self.incarnations.get(node, 0) + 1
+        command = [sys.executable, "-m", "inmem_ft", "run", *self._command,
+                   "--rdzv-endpoint", f"127.0.0.1:{self._store.port}", "--rdzv-conf", "is_host=0",
+                   "--local-addr", f"127.0.{1 + node // 200}.{100 + node % 200}", "--node-rank", str(node)]
+        env = {**self.env, "INMEM_FT_NODE": str(node)}
+        self.agents[node] = NodeAgent(node, self.incarnations[node], command, self.argv, env, self.work_dir)
+
     def run(self) -> Timeline:
-        for attempt in range(self.max_restarts + 1):
-            for node in self._lost_nodes:
-                self._smp_logs[node] = telemetry.Tail(self.cluster.smp_log(node), from_end=True)
-                self.cluster.start_smp(node)
-                self.event("replace", f"node {node}: replacement SMP started empty under the lost node's id")
-            self._lost_nodes = []
-            if self._attempt(attempt + 1):
-                self.timeline.ok = True
-                break
-        else:
-            self.event("give up", f"still failing after {self.max_restarts} restarts")
-        if self._restart is not None:
-            self._measured(self._restart, "the run ended before training got back to that step")
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        try:
+            for node in range(self.nodes):
+                self._start_agent(node)
+            self.event("start", f"{self.world_size} ranks on {self.nodes} nodes, each node's ranks and SMP "
+                                f"under an agent of its own (inmem-ft run)")
+            self._watch()
+        finally:
+            self._shut_down()
         self.timeline.losses = telemetry.read_losses(self.loss_log)
         last = max(self.timeline.losses, default=0)
         for f in self.failures:
@@ -147,151 +246,136 @@ class Supervisor:
                 self.event("missed", f"{f.describe()} never happened: the job stopped at step {last}")
         return self.timeline
 
-    def _attempt(self, number: int) -> bool:
-        hb_dir = os.path.join(self.work_dir, f"heartbeats{number}")
-        os.makedirs(hb_dir, exist_ok=True)
-        self.cluster.launch(self.argv, {telemetry.HEARTBEAT_DIR: hb_dir, telemetry.LOSS_LOG: self.loss_log})
-        self._injected, self._standbys_started = [], False
-        if self._restart is not None:
-            self._restart.attempt, self._restart.launched_at = number, self.cluster.launched_at
-        standby = self.cluster.starts.get("standby", 0)
-        self.event("start", f"attempt {number}: {self.cluster.world_size} ranks on {self.cluster.nodes} nodes"
-                            + (f" ({standby} handed to warm standbys)" if standby else ""))
-        t0, restored_seen = time.monotonic(), False
+    def _watch(self) -> None:
         while True:
-            beats = self._beats(hb_dir)
-            self._loss_records += self._losses.records()
-            restored_seen = self._note_restore(beats, restored_seen)
+            beats = self._beats()
+            self._inject(beats)  # first: a fast trainer is steps further by the end of a poll
+            self._note_agents(beats)
+            self._note_restore(beats)
             self._note_snapshots(beats)
             self._note_recovery()
             self._note_rebuilds()
             self._note_protection()
-            self._start_standbys()
-            self._inject(beats)
-            hung = self._hung(beats)
-            failed = self.cluster.failed_ranks()
-            if hung or failed:
-                self._detected(t0, failed, hung, beats)
-                return False
-            if not self.cluster.running():
-                self.cluster.end_attempt(t0)
-                self.event("finished", f"attempt {number}: every rank exited cleanly")
-                return True
-            self.cluster.failure.wait(POLL_S)
+            codes = {n: a.proc.poll() for n, a in self.agents.items()}
+            failed = {n: c for n, c in codes.items() if c not in (None, 0)}
+            if failed:
+                node, code = min(failed.items())
+                self.event("give up", f"node {node}'s agent exited with {code}: still failing after "
+                                      f"{self.max_restarts} restarts, or could not go on (see its log)")
+                return
+            if all(c == 0 for c in codes.values()):
+                self._note_recovery()
+                self.timeline.ok = True
+                self.event("finished", "every rank exited cleanly")
+                return
+            time.sleep(POLL_S)
 
-    def _detected(self, t0: float, failed: list[int], hung: list[int], beats: dict) -> None:
-        """Stop the attempt and remember what the failure will have cost once training is back."""
-        detected_at = time.time()
-        exit_times = dict(self.cluster.exit_times)
-        attempt = self.cluster.end_attempt(t0, failed[0] if failed else hung[0])
-        stopped_at = time.time()
-        why = self._describe_exit(attempt, failed[0]) if failed else self._describe_hang(beats, hung)
-        if (failed and self._restart is not None and attempt.returncodes[failed[0]] > 0
-                and self.cluster.started_as.get(failed[0]) == "standby"):
-            self._standbys_off(failed[0], why)
-        if self._injected:
-            failed_at, cause = self._injected[0]
-            note = ""
-        elif failed:
-            failed_at, cause, note = exit_times.get(failed[0]), why, ""
-        else:
-            failed_at, cause = None, why
-            note = "the rank stopped by itself: when is unknown, so the time lost is counted from its detection"
-        if self._restart is not None:  # it failed again before training got back
-            self._measured(self._restart, f"the restart failed ({why}) before training got back to that step")
-        self._loss_records += self._losses.records()  # complete now: every rank of the attempt is gone
-        reached = max((r["step"] for r in self._loss_records if r["time"] <= (failed_at or detected_at)),
-                      default=None)
-        self._restart = timelost.Restart(cause, failed_at, detected_at, stopped_at, reached, note,
-                                         protected=self.protected[0] if self.protected else None)
-        self.event("detected", f"{why}; survivors stopped, all ranks restart{self._protection_now()}",
-                   reached if reached is not None else max((b.get("step", 0) for b in beats.values()), default=0))
+    def _shut_down(self) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+        for node in range(self.nodes):  # what a killed agent could not stop
+            socket = paths.default_socket(self.job, node)
+            if os.path.exists(socket) and control.ping(socket):
+                control.stop(socket, wipe=True)
+            inventory.remove(self.job, node)
+        self._store = None
+
+    def _beats(self) -> dict[int, dict]:
+        beats = {}
+        for agent in self.agents.values():
+            if agent.running():
+                for rank, beat in agent.beats().items():
+                    if beat["pid"] not in self._gone:
+                        beats[rank] = {**beat, "node": agent.node}
+        return beats
+
+    def _lose_node(self, node: int, ranks: list[int]) -> None:
+        """Its agent and ranks (pids), its SMP and its shared memory; then a replacement agent under its id."""
+        self.agents[node].kill(ranks)
+        # The SMP, by the lock it holds on the node's memory (a busy one may not answer a ping in time); gone
+        # once the lock is free, which its exit releases.
+        while (pid := nodelock.holder(self.job, node)) is not None:
+            if pid:
+                hangs.kill(pid)
+            time.sleep(0.01)
+        inventory.remove(self.job, node)
+        self._rebuild_logs[node] = telemetry.Tail(paths.default_log(self.job, node), from_end=True)
+        self._start_agent(node)
+        self.event("replace", f"node {node}: a replacement agent started under the lost node's id; its SMP "
+                              f"starts empty")
+
+    # ---- what the agents report ---------------------------------------------------------------------------
+    _FAILURE = re.compile(r'\[inmem_ft\] agent node=(\d+) event=failure_detected failure="(.*)"$')
+    _STANDBYS_OFF = re.compile(r'\[inmem_ft\] agent node=(\d+) event=standbys_off: (.*)$')
+
+    def _note_agents(self, beats: dict) -> None:
+        """A failure an agent detected: the first agent to notice one speaks for the restart that follows."""
+        for agent in self.agents.values():
+            for line in agent.lines.lines():
+                off = self._STANDBYS_OFF.search(line)
+                if off:
+                    self.event("standby", f"node {agent.node}'s agent: standbys off: {off.group(2)}")
+                m = self._FAILURE.search(line)
+                if not m or self._detected_by is not None:
+                    continue
+                self._detected_by, self._restored_seen = agent.node, False
+                self._gone |= {b["pid"] for b in beats.values()}  # every rank restarts
+                self._protected_then = self.protected[0] if self.protected else None
+                self._generation += 1
+                reached = max((r["step"] for r in telemetry.Tail(self.loss_log).records()), default=None)
+                self.event("detected", f"node {agent.node}'s agent: {m.group(2)}; every rank restarts"
+                                       f"{self._protection_now()}", reached)
+
+    def _note_recovery(self) -> None:
+        """Training is back at the step the failure interrupted: what it cost, as the detecting agent measured."""
+        for agent in list(self.agents.values()):
+            for split in agent.new_splits():
+                if agent.node != self._detected_by:
+                    continue  # every node's agent measures the same restart; one speaks for it
+                self._detected_by = None
+                if self._injected:
+                    at, what = self._injected.pop(0)
+                    split = timelost.counted_from(split, what, at)
+                split = {**split, "protected_step": self._protected_then}
+                self.timeline.time_lost.append(split)
+                where = "training again" if split["reached_step"] is None else f"back at step {split['reached_step']}"
+                kind = "recovered" if split["total_s"] is not None else "time lost"
+                self.event(kind, f"{where}: {timelost.describe(split)}", split["reached_step"])
 
     def _protection_now(self) -> str:
         """What a node lost now would be rebuilt at, for the timeline (nothing without erasure coding)."""
-        if not self._ec_logs:
+        if self.ec is None:
             return ""
         if self.protected is None:
             return "; no step protected on every node"
         return f"; step {self.protected[0]} protected on every node since {self.protected[1]:.1f} s"
 
-    def _note_recovery(self) -> None:
-        """Training is back at the step the failure interrupted: how long that took, and where the time went."""
-        r = self._restart
-        if r is None or r.launched_at is None:
+    def _note_restore(self, beats: dict) -> None:
+        if (self._restored_seen or len(beats) < self.world_size
+                or any("restored" not in b for b in beats.values())):
             return
-        since = [rec["step"] for rec in self._loss_records if rec["time"] > r.launched_at]
-        if since and (r.reached is None or max(since) >= r.reached):
-            split = self._measured(r)
-            where = "training again" if r.reached is None else f"back at step {r.reached}"
-            self.event("recovered", f"{where}: {timelost.describe(split)}", r.reached)
-
-    def _measured(self, restart: timelost.Restart, end_note: str = "") -> dict:
-        ranks = {}
-        if restart.attempt is not None:
-            for rank in range(self.cluster.world_size):
-                ranks[rank] = timelost.RankReport(self.cluster.worker_record(restart.attempt, rank),
-                                                  self.cluster.rank_log(restart.attempt, rank))
-        split = timelost.measure(restart, ranks, self._loss_records, end_note)
-        self.timeline.time_lost.append(split)
-        self._restart = None
-        if end_note:  # never back: say what could be measured
-            self.event("time lost", f"{restart.cause}: {timelost.describe(split)}")
-        return split
-
-    def _start_standbys(self) -> None:
-        """Warm standbys for the next restart, once nothing is being recovered (their imports would slow the
-        recovery) and the ranks have rendezvoused (so there is a list of their imports to follow)."""
-        if self._standbys_started or self._restart is not None or not self.cluster.standbys:
-            return
-        started = self.cluster.start_standbys()
-        if started:
-            self._standbys_started = True
-            self.event("standby", f"{started} warm standby process(es) started: each imports what its rank has "
-                                  f"imported, and waits to take over a rank in the next restart")
-        elif self.cluster.standbys.refused:
-            self._standbys_started = True
-            self.event("standby", f"warm standbys off, restarts start cold: {self.cluster.standbys.refused}")
-
-    def _standbys_off(self, rank: int, why: str) -> None:
-        """A rank a standby started failed on its own before training got back: most likely the command's
-        imports depend on what it does before them (a patch that must come before an import), which a standby
-        has imported already. Cold starts from now on; the job goes on."""
-        self.cluster.standbys_off()
-        self.event("standby", f"warm standbys off, restarts start cold: rank {rank}, started from a warm standby, "
-                              f"failed before training got back ({why}); a command whose imports must follow "
-                              f"something it does first needs cold starts (--no-standby)")
-
-    def _beats(self, hb_dir: str) -> dict[int, dict]:
-        """Heartbeats of the processes this attempt started, only: a file another run or attempt left
-        behind says nothing of now."""
-        return hangs.beats_of(hb_dir, {r: proc.pid for r, proc in self.cluster.procs.items()})
-
-    def _note_restore(self, beats: dict, seen: bool) -> bool:
-        if seen or len(beats) < self.cluster.world_size or any("restored" not in b for b in beats.values()):
-            return seen
+        self._restored_seen = True
         restored = [b["restored"] for b in beats.values()]
         if all(r is None for r in restored):
             self.event("restore", "no snapshot: starting from step 0")
-        else:
-            r = max(restored, key=lambda x: x["seconds"])
-            if self.protected is not None and self.protected[0] > r["step"]:
-                self.protected = None  # the SMPs dropped the parity of the steps after the one resumed from
-            sources = sorted({x["source"] for x in restored if x})
-            self.event("restore", f"step {r['step']} from {' + '.join(sources)} in {r['seconds']:.3f} s "
-                                  f"(slowest rank)", r["step"])
-        return True
+            return
+        r = max((x for x in restored if x), key=lambda x: x["seconds"])
+        if self.protected is not None and self.protected[0] > r["step"]:
+            self.protected = None  # the SMPs dropped the parity of the steps after the one resumed from
+        sources = sorted({x["source"] for x in restored if x})
+        self.event("restore", f"step {r['step']} from {' + '.join(sources)} in {r['seconds']:.3f} s "
+                              f"(slowest rank)", r["step"])
 
     def _note_snapshots(self, beats: dict) -> None:
         """A snapshot once every rank has reported it (in any poll: ranks rarely sit on the same step at
         once). A rank that took two snapshots between polls reports only the second; that step still shows."""
         for rank, beat in beats.items():
             if beat.get("snapshot_step") is not None:
-                key = (self.cluster.attempts, beat["snapshot_step"])
+                key = (self._generation, beat["snapshot_step"])
                 stalls = self._snapshots.setdefault(key, {})
                 if stalls is not None:
                     stalls[rank] = beat["stall_s"]
-                    if len(stalls) == self.cluster.world_size:
+                    if len(stalls) == self.world_size:
                         self._snapshots[key] = None  # reported
                         self.event("snapshot", f"step {key[1]}: training blocked {max(stalls.values()) * 1e3:.1f} "
                                                f"ms (slowest rank)", key[1])
@@ -300,7 +384,7 @@ class Supervisor:
 
     def _note_rebuilds(self) -> None:
         """A replacement SMP's rebuild, as its log reports it."""
-        for node, tail in self._smp_logs.items():
+        for node, tail in self._rebuild_logs.items():
             for line in tail.lines():
                 m = self._REBUILD.search(line)
                 if m:
@@ -313,7 +397,9 @@ class Supervisor:
     def _note_protection(self) -> None:
         """Which step is protected from when: once every node's SMP logged it protected (each holds its parity),
         a node lost from then on is rebuilt at that step. A node that failed to protect one says why."""
-        for node, tail in self._ec_logs.items():
+        if self.ec is None:
+            return
+        for node, tail in self._smp_logs.items():
             for line in tail.lines():
                 m = self._PROTECT.search(line)
                 if not m:
@@ -329,7 +415,7 @@ class Supervisor:
                 else:
                     nodes = self._protecting.setdefault(step, set())
                     nodes.add(int(m.group(1)))
-                    if len(nodes) == self.cluster.nodes:
+                    if len(nodes) == self.nodes:
                         del self._protecting[step]
                         why = self._protect_reasons.pop(step, "")
                         self.event("protected", f"step {step} on every node (erasure-coded across its EC group): a "
@@ -338,12 +424,13 @@ class Supervisor:
                         self.protected = (step, self.timeline.events[-1].t)
 
     def _inject(self, beats: dict) -> None:
+        """One failure at a time: the next waits until training is back from the last (a rank stuck behind a lost
+        node still shows the step it had reached)."""
         for f in self.failures:
-            if f.fired:
+            if f.fired or self._injected:
                 continue
-            watched = ([r for r in range(self.cluster.world_size) if self.cluster.node_of(r) == f.target]
-                       if f.kind == "node" else [f.target])
-            if not all(beats.get(r, {}).get("step", -1) >= f.step for r in watched):
+            watched = ([r for r, b in beats.items() if b["node"] == f.target] if f.kind == "node" else [f.target])
+            if not watched or not all(beats.get(r, {}).get("step", -1) >= f.step for r in watched):
                 continue
             f.fired = True
             # The supervisor polls: a fast trainer may be past the requested step when the signal lands.
@@ -353,30 +440,38 @@ class Supervisor:
             self.event("failure", text, reached)
             self._injected.append((time.time(), text))
             if f.kind == "rank":
-                self.cluster.procs[f.target].send_signal(signal.SIGKILL)
+                hangs.kill(beats[f.target]["pid"])
             elif f.kind == "hang":
-                self.cluster.procs[f.target].send_signal(signal.SIGSTOP)
+                os.kill(beats[f.target]["pid"], signal.SIGSTOP)
             else:
-                self.cluster.lose_node(f.target)
-                self._lost_nodes.append(f.target)
+                self._lose_node(f.target, [beats[r]["pid"] for r in watched])
 
-    def _hung(self, beats: dict) -> list[int]:
-        """Live ranks of this attempt silent past the timeout. A hung rank soon silences its peers too (they
-        wait on it in a collective), so each silent one is named; any one of them is reason to restart."""
-        return [rank for rank in hangs.stale(beats, time.time(), self.heartbeat_timeout_s)
-                if self.cluster.procs[rank].poll() is None]
 
-    def _describe_exit(self, attempt, rank: int) -> str:
-        code = attempt.returncodes[rank]
-        if code < 0:
-            return f"rank {rank} exited with {code}"
-        # An error exit: its last log line (the exception, for a Python trainer) says why.
-        lines = [line.strip() for line in self.cluster.rank_log(attempt.number, rank).splitlines() if line.strip()]
-        return f"rank {rank} exited with {code}" + (f" ({lines[-1][:300]})" if lines else "")
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process, from /proc; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name before ")" may hold spaces
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
 
-    def _describe_hang(self, beats: dict, hung: list[int]) -> str:
-        now = time.time()
-        last = ", ".join(f"rank {r} at step {beats[r].get('step', 0)} {now - beats[r]['time']:.0f} s ago"
-                         for r in sorted(hung, key=lambda r: beats[r]["time"]))
-        return (f"no heartbeat for over {self.heartbeat_timeout_s:g} s from rank(s) {hung} (hung; last beats: "
-                f"{last})")
+
+def _running(pid: int | None) -> bool:
+    stat = _stat(pid) if pid else None
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid`: torch starts each rank in a session of its own, out of reach of a killpg."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        stat = _stat(int(entry)) if entry.isdigit() else None
+        if stat:
+            children.setdefault(stat[1], []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found

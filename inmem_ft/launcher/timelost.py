@@ -1,17 +1,19 @@
 """The time a failure costs, from the failure to training back at the step it had reached, split into its parts.
 
-Every boundary is a timestamp this run recorded (time.time(), one clock for every process of the machine):
+Every boundary is a timestamp this run recorded (time.time(), one clock for every process of the machine). The
+node's agent (agent/clock.py) records them; `inmem-ft launch`, which injected the failure, knows its moment:
 
-    failure            the supervisor sent the signal (an injected failure), or the failed rank exited (a crash)
-    detected           the supervisor noticed the exit, or the heartbeat timeout expired
-    stopped            every surviving rank was killed and reaped
-    launched           the supervisor began starting the ranks of the restart (after any replacement SMP; under
-                       torch's elastic agent, after the agents' rendezvous: that part is named so)
+    failure            the signal was sent (an injected failure); for a crash, the agent's last poll that found
+                       every local rank running; for a hang, the hung rank's last heartbeat
+    detected           the agent noticed the exit, the heartbeat timeout expired, or a peer node's agent asked
+                       for a new rendezvous round
+    stopped            every local rank was stopped
+    launched           the agents' new rendezvous round is done, and the ranks of the restart begin to start
     rendezvous start   the last rank called init_process_group (its worker's record)
     rendezvous end     the last rank's init_process_group returned (its worker's record)
     restore start      the last rank began its restore (its `restore rank=... seconds=T` log line, less T)
     restore end        the last rank finished it (that log line's time: 1 ms resolution)
-    back               the loss log has the step the job had reached, again
+    back               every rank is at the step the job had reached, again
 
 The parts between consecutive boundaries add up to the total. A boundary nobody recorded is not guessed: the
 parts on either side of it are reported as one ("setup + restore") with a note saying what was missing.
@@ -23,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-PARTS = ("detection", "teardown", "node replacement", "start and imports", "rendezvous", "setup", "restore",
+PARTS = ("detection", "teardown", "agent rendezvous", "start and imports", "rendezvous", "setup", "restore",
          "recompute")
 
 _RESTORE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\brestore rank=\d+ step=(\d+) source=\S+ "
@@ -44,7 +46,6 @@ class Restart:
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
     protected: int | None = None  # with erasure coding: the newest step protected on every node at the failure
-    relaunch: str = "node replacement"  # what happens between the teardown and the start of the new ranks
 
 
 @dataclass
@@ -99,7 +100,7 @@ def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], 
     back, back_note = _back(restart, losses, restored_step, bounds[-1], end_note)
     bounds.append(back)
     notes.append(back_note)
-    parts, total = _parts(bounds, notes, (*PARTS[:2], restart.relaunch, *PARTS[3:]))
+    parts, total = _parts(bounds, notes, PARTS)
     slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
     return {"failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
             "restored_step": restored_step, "protected_step": restart.protected,
@@ -108,6 +109,17 @@ def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], 
             "total_s": total, "parts": parts,
             "starts": dict(Counter(_start(rec, restart.launched_at) for rec in records.values())),
             "restore_phases": slowest[3] if slowest else {}, "boundaries": bounds}
+
+
+def counted_from(split: dict, cause: str, failed_at: float) -> dict:
+    """`split` (measure()'s) of a failure whose moment someone outside knew (`inmem-ft launch` injected it at
+    `failed_at`): detection counted from there, whatever the measuring agent could tell of it."""
+    detected = split["boundaries"][1]  # always recorded
+    parts = [{"part": split["parts"][0]["part"].split(" + ")[0], "seconds": max(detected - failed_at, 0.0),
+              "note": ""}, *split["parts"][1:]]
+    back = split["boundaries"][-1] is not None and all(p["seconds"] is not None for p in parts)
+    return {**split, "failure": cause, "parts": parts, "boundaries": [failed_at, *split["boundaries"][1:]],
+            "total_s": sum(p["seconds"] for p in parts) if back else None}
 
 
 def _start(record: dict, launched_at: float | None) -> str:
