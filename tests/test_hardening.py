@@ -393,7 +393,7 @@ def main():
         snap.close()  # ~ProcessGroupGloo joins that worker: it would wait for the group's 120 s timeout
         print("closed", flush=True)
     else:
-        time.sleep(30)  # alive, connected, and not in the collective, until well after rank 0 is gone
+        time.sleep(60)  # alive, connected, and not in the collective, until well after rank 0 is gone
         snap.close()
 
 run_main(main)
@@ -408,7 +408,7 @@ def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(
         attempt = cluster.run(["-c", STUCK_DESTROY], timeout_s=300)
         log = cluster.rank_log(attempt.number, 0)
         assert attempt.ok, log
-        assert cluster.exit_times[0] - cluster.launched_at < 25, log  # rank 1 still sleeps: not its timeout
+        assert cluster.exit_times[0] < cluster.exit_times[1] - 30, log  # not when rank 1 closed, nor the timeout
         [line] = [line for line in log.splitlines() if "event=teardown_stuck" in line]
         assert "did not end in 2 s" in line and "closed" in log
 
