@@ -4,7 +4,8 @@ scripts/compat_table.py renders the supported-versions table.
 
     python scripts/compat_matrix.py [--ci] [NAME ...]
 
---ci: only the combinations marked `ci = true`. Exits 1 when a combination fails its build or a test."""
+--ci: only the combinations marked `ci = true`, each running its `ci_tests` (default: all its compat tests) and
+recording nothing (results.json is what full runs found). Exits 1 when a combination fails its build or a test."""
 from __future__ import annotations
 
 import argparse
@@ -72,9 +73,10 @@ def installed(python: str) -> dict:
     return json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
-def run_tests(python: str, name: str) -> dict:
-    """The compat tests in `python`'s venv: counts, and the node ids that did not pass (a skip counts: a test
-    that cannot run there says nothing about the combination)."""
+def run_tests(python: str, name: str, not_run: dict, only: list | None = None) -> dict:
+    """The compat tests in `python`'s venv (`only` these node ids, if given) less those `not_run` names (node id:
+    why the combination cannot run it): counts, and the node ids that did not pass (a skip counts: a test that
+    cannot run there says nothing about the combination)."""
     report = os.path.join(CACHE, f"{name}.junit.xml")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(CACHE, f"{name}.torch_extensions")}
     env.pop("INMEM_FT_ALLOW_UNTESTED", None)  # each combination must pass the adapters' own version check
@@ -82,17 +84,18 @@ def run_tests(python: str, name: str) -> dict:
         os.remove(report)
     # A basetemp of its own keeps the combination's logs after the run (pytest keeps only the newest three of
     # its shared ones); under /tmp, since the SMPs' socket paths inside it must stay short.
-    subprocess.run([python, "-m", "pytest", "-q", "-m", "compat", f"--junitxml={report}",
+    deselect = [arg for node in not_run for arg in ("--deselect", node)]
+    subprocess.run([python, "-m", "pytest", "-q", "-m", "compat", *(only or []), f"--junitxml={report}", *deselect,
                     f"--basetemp={tempfile.gettempdir()}/inmem_ft-compat-{name}"], cwd=ROOT, env=env)
     if not os.path.exists(report):
-        return {"passed": 0, "failed": 1, "not_passed": ["pytest wrote no report"]}
+        return {"passed": 0, "failed": 1, "not_passed": ["pytest wrote no report"], "not_run": not_run}
     passed, failed = 0, []
     for case in ET.parse(report).getroot().iter("testcase"):
         if any(child.tag in ("failure", "error", "skipped") for child in case):
             failed.append(f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}")  # the node id
         else:
             passed += 1
-    return {"passed": passed, "failed": len(failed), "not_passed": failed}
+    return {"passed": passed, "failed": len(failed), "not_passed": failed, "not_run": not_run}
 
 
 def commit() -> str:
@@ -115,7 +118,7 @@ def record(name: str, result: dict) -> None:
         f.write("\n")
 
 
-def run(combo: dict) -> bool:
+def run(combo: dict, ci: bool = False) -> bool:
     name = combo["name"]
     ran = commit()  # what the tests run, before anything can change the checkout
     print(f"[compat] {name}: building", flush=True)
@@ -128,11 +131,12 @@ def run(combo: dict) -> bool:
     built = time.monotonic()
     versions = installed(python)
     print(f"[compat] {name}: {versions}", flush=True)
-    outcome = run_tests(python, name)
-    record(name, {**versions, **outcome, "build_s": round(built - start), "tests_s": round(time.monotonic() - built),
-                  "date": datetime.date.today().isoformat(),
-                  "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-                  "commit": ran})
+    outcome = run_tests(python, name, combo.get("not_run", {}), combo.get("ci_tests") if ci else None)
+    if not ci:
+        record(name, {**versions, **outcome, "build_s": round(built - start),
+                      "tests_s": round(time.monotonic() - built), "date": datetime.date.today().isoformat(),
+                      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+                      "commit": ran})
     print(f"[compat] {name}: {outcome['passed']} passed, {outcome['failed']} not passed "
           f"{outcome['not_passed']} in {time.monotonic() - start:.0f} s", flush=True)
     return outcome["failed"] == 0
@@ -140,7 +144,7 @@ def run(combo: dict) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ci", action="store_true", help="only the combinations marked ci = true")
+    p.add_argument("--ci", action="store_true", help="only the combinations marked ci = true, their ci_tests")
     p.add_argument("names", nargs="*", help="only these combinations")
     args = p.parse_args()
     known = {c["name"]: c for c in combinations()}
@@ -148,7 +152,7 @@ def main() -> int:
     if unknown:
         p.error(f"no combination {', '.join(sorted(unknown))} in tests/compat/matrix.toml (have: {', '.join(known)})")
     chosen = [c for c in known.values() if (not args.names or c["name"] in args.names) and (c.get("ci") or not args.ci)]
-    ok = [run(c) for c in chosen]  # one at a time: each combination's tests use the whole machine
+    ok = [run(c, args.ci) for c in chosen]  # one at a time: each combination's tests use the whole machine
     return 0 if all(ok) else 1
 
 

@@ -25,7 +25,8 @@ def table(results: dict) -> str:
     rows = ["| Combination | Python | torch | DeepSpeed | megatron-core | numpy | `compat` tests | Build + tests | Run |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        outcome = f"{r['passed']} passed" + (f", **{r['failed']} failed**" if r["failed"] else "")
+        outcome = f"{r['passed']} passed" + (f", **{r['failed']} failed**" if r["failed"] else "") + (
+            f", {len(r['not_run'])} not run" if r.get("not_run") else "")
         rows.append(f"| {name} | {r['python']} | {r['torch']} | {r['deepspeed']} | {r['megatron-core']} | "
                     f"{r['numpy']} | {outcome} | {r['build_s']} + {r['tests_s']} s | {r['date']}, {r['commit']} |")
     machines = sorted({r["machine"] for r in results.values()})
@@ -33,7 +34,7 @@ def table(results: dict) -> str:
         f"The adapters accept DeepSpeed `{TESTED['deepspeed']}` and megatron-core `{TESTED['megatron-core']}` "
         f"(`inmem_ft/compat.py`);",
         f"each row is a combination `make test-compat` ran (`tests/compat/results.json`, on {'; '.join(machines)};",
-        "build time 0: an existing venv; what failed and why: `docs/compatibility.md`):",
+        "build time 0: an existing venv; what failed or was not run, and why: `docs/compatibility.md`):",
         "",
         *rows,
     ])

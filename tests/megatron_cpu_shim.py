@@ -105,6 +105,8 @@ def _patch_cuda() -> None:
     c.Stream = c.Event = _Dummy
     c.current_stream = c.default_stream = lambda *a, **kw: _Dummy()
     c.stream = lambda *a, **kw: contextlib.nullcontext()
+    # A CUDA build of torch (2.6's optimizers check it at every step) would ask the absent driver.
+    c.is_current_stream_capturing = c.graphs.is_current_stream_capturing = lambda: False
     c.device = _Dummy
     # CUDA RNG -> the CPU generator (Megatron's trackers swap CUDA states around every dropout region)
     c.get_rng_state = lambda *a, **kw: torch.get_rng_state()

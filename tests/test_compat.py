@@ -122,3 +122,19 @@ def test_the_newest_combination_is_constraints_txt():
         pins = dict(line.strip().split("==") for line in f if "==" in line)
     for name in ("torch", "deepspeed", "megatron-core"):
         assert Version(newest[name]).public == pins[name], name
+
+
+def test_declared_ranges_include_the_gpu_target_stack():
+    """The GPU machine the project is checked on (FINDINGS: Python 3.12, torch 2.11.0+cu130, numpy 2.5.2) must be
+    installable into: pyproject's ranges cannot exclude it, though the matrix does not run it."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert SpecifierSet(project["requires-python"]).contains("3.12")
+    wanted = {"torch": "2.11.0+cu130", "numpy": "2.5.2"}
+    for requirement in map(Requirement, project["dependencies"]):
+        if requirement.name in wanted:
+            assert requirement.specifier.contains(wanted.pop(requirement.name)), requirement
+    assert not wanted, f"not declared: {wanted}"

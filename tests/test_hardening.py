@@ -377,6 +377,42 @@ def test_our_gloo_groups_are_destroyed_on_close_and_on_an_error_exit(job, runtim
             assert ending == "close" or "RuntimeError: the trainer failed" in text, text
 
 
+STUCK_DESTROY = """
+import sys, time, torch, torch.distributed as dist
+from inmem_ft.capture import agreement
+from inmem_ft.teardown import run_main
+
+agreement.DESTROY_TIMEOUT_S = 2.0
+
+def main():
+    import inmem_ft
+    dist.init_process_group("gloo")
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1, timeout_s=120))
+    if dist.get_rank() == 0:  # a collective of the agreement's group that rank 1 never joins: its worker waits
+        pending = dist.all_reduce(torch.ones(3), group=snap._agree.group, async_op=True)
+        snap.close()  # ~ProcessGroupGloo joins that worker: it would wait for the group's 120 s timeout
+        print("closed", flush=True)
+    else:
+        time.sleep(60)  # alive, connected, and not in the collective, until well after rank 0 is gone
+        snap.close()
+
+run_main(main)
+"""
+
+
+def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(job, runtime):
+    """The snapshot agreement's gloo group is destroyed at close with a bound (agreement.DESTROY_TIMEOUT_S): where
+    the destroy waits on a peer (here a collective of the group that the other rank never joins), the rank says
+    so in one line and exits with its own code, long before the group's timeout."""
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", STUCK_DESTROY], timeout_s=300)
+        log = cluster.rank_log(attempt.number, 0)
+        assert attempt.ok, log
+        assert cluster.exit_times[0] < cluster.exit_times[1] - 30, log  # not when rank 1 closed, nor the timeout
+        [line] = [line for line in log.splitlines() if "event=teardown_stuck" in line]
+        assert "did not end in 2 s" in line and "closed" in log
+
+
 RUN_MAIN = """
 import atexit, os, sys, torch, torch.distributed as dist
 from inmem_ft.teardown import gloo_threads, run_main

@@ -12,6 +12,7 @@ threads (pybind releases the GIL for it), so none is left to race the finalizati
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from contextlib import contextmanager
 import weakref
@@ -22,6 +23,11 @@ import torch.distributed as dist
 
 from ..errors import InmemFTError
 
+log = logging.getLogger("inmem_ft.capture")
+# Destroying a gloo group of ours takes milliseconds: it is local, and close() runs once no collective of ours is
+# in flight here. One that takes longer waits on something outside this rank (a group's worker thread or a
+# connection still held up by a peer), which may not end before the group's own timeout: the exit goes on.
+DESTROY_TIMEOUT_S = 30.0
 _made: list = []  # every group an Agreement made and no close destroyed yet (torch's registry holds them anyway)
 _open: "weakref.WeakSet[Agreement]" = weakref.WeakSet()  # Agreements not closed: they hold references too
 _made_lock = threading.Lock()
@@ -49,17 +55,14 @@ def destroy_all() -> None:
             agreement.close()
         except Exception:  # exiting anyway: the rank's own error and exit code are what count
             pass
-    while groups:
-        try:
-            destroy_group(groups.pop())
-        except Exception:
-            pass
+    if groups:
+        destroy_bounded(groups, dist.get_rank() if dist.is_initialized() else 0)
 
 
 def destroy_group(group) -> None:
     """Destroy one process group of ours if torch still knows it (a destroy of the whole world took it already)
-    and it is not the world itself. Local for gloo (no collective), so it cannot wait on a peer: only on this
-    rank's own collectives still in flight on the group, which its worker threads finish before they are joined."""
+    and it is not the world itself. Local for gloo (no collective), but ~ProcessGroupGloo joins the group's worker
+    threads, and one still in a collective waits for its peers or the group's timeout (destroy_bounded)."""
     if group is None or group is dist.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
         return
     if group is dist.group.WORLD:
@@ -68,6 +71,26 @@ def destroy_group(group) -> None:
         dist.destroy_process_group(group)
     except ValueError:  # not (or no longer) registered: the world was destroyed, or re-made, since
         pass
+
+
+def destroy_bounded(groups: list, rank: int) -> None:
+    """Destroy `groups` (emptying the list: the caller's references go with it) on a thread of their own, waiting
+    at most DESTROY_TIMEOUT_S. ~ProcessGroupGloo runs without the GIL, so a destroy that cannot end holds up
+    nothing but that daemon thread; the rank goes on to exit and says so in one line (teardown.run_main then
+    ends the process with os._exit, as it does for any gloo thread left)."""
+    def destroy():
+        while groups:
+            try:
+                destroy_group(groups.pop())  # our last reference goes with the call: ~ProcessGroupGloo joins here
+            except Exception as e:  # exiting anyway: the rank's own error and exit code are what count
+                log.warning("snapshot rank=%d event=teardown_failed: %s: %s", rank, type(e).__name__, e)
+
+    worker = threading.Thread(target=destroy, name="inmem_ft-destroy", daemon=True)
+    worker.start()
+    worker.join(DESTROY_TIMEOUT_S)
+    if worker.is_alive():
+        log.warning("snapshot rank=%d event=teardown_stuck: destroying the snapshot agreement's gloo group did "
+                    "not end in %.0f s; exiting without waiting for it", rank, DESTROY_TIMEOUT_S)
 
 
 class Agreement:
@@ -99,8 +122,9 @@ class Agreement:
         with _made_lock:
             _made[:] = [g for g in _made if all(g is not mine for mine in groups)]
             _open.discard(self)
-        while groups:
-            destroy_group(groups.pop())  # our last reference goes with the call: ~ProcessGroupGloo joins here
+        if groups:
+            destroy_bounded(groups, self.rank)
+
 
     @contextmanager
     def _collective(self):
