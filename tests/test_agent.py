@@ -76,6 +76,7 @@ def test_killed_rank_restarts_through_torchs_agent_bit_identical_and_reports_tim
                         ["--standbys", "0"])
     assert rc == 0, out
     assert "event=standbys_started" not in out and "event=ranks_started attempt=2 from_standby=0 cold=2" in out
+    assert "event=rdzv_poll poll_s=0.05 nodes=1:" in out
     assert "failed (exitcode: -9) local_rank: 1" in out  # torch's agent saw the crash and restarted
     assert "restore rank=1 step=6 source=memory" in out
     steps = [json.loads(line)["step"] for line in open(tmp_path / "loss.jsonl")]
