@@ -112,6 +112,7 @@ class InmemAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group, *args, **kwargs):
         if not self.clock.pending:  # this node's ranks are well: another node's agent asked for a new round
             self.clock.failed("a peer node asked for a new rendezvous round", self._beats(worker_group),
+                              failed_at=time.time(),
                               note="the failure was on another node: counted from this node's notice of it")
         super()._restart_workers(worker_group, *args, **kwargs)
 
