@@ -1,5 +1,6 @@
 """Time lost per failure through the shipped SLURM script: a killed rank under torchrun's cold restart, under
-`inmem-ft run` with its warm standbys off and on, and a hung rank under `inmem-ft run` (detection included).
+`inmem-ft run` with its warm standbys off and on (and on with torch's own 1 s rendezvous poll instead of the
+agent's scaled one), and a hung rank under `inmem-ft run` (detection included).
 
     python benchmarks/time_lost.py [--repeat N] [--hang-timeout S] [--json OUT] [--plot PNG]
 
@@ -36,9 +37,11 @@ from slurm_cluster import SlurmCluster, unavailable  # noqa: E402
 
 import report  # noqa: E402  benchmarks/report.py
 
-# case -> (INMEM_FT_AGENT, INMEM_FT_STANDBYS, signal)
-CASES = {"torchrun": ("torchrun", "0", signal.SIGKILL), "agent, standbys off": ("inmem", "0", signal.SIGKILL),
-         "agent": ("inmem", "", signal.SIGKILL), "agent, hang": ("inmem", "", signal.SIGSTOP)}
+# case -> (INMEM_FT_AGENT, INMEM_FT_STANDBYS, signal, INMEM_FT_RDZV_POLL); the last case is "agent" with torch's
+# own rendezvous poll, to show in one run what the agent's scaled poll (agent/rendezvous.py) saves
+CASES = {"torchrun": ("torchrun", "0", signal.SIGKILL, ""), "agent, standbys off": ("inmem", "0", signal.SIGKILL, ""),
+         "agent": ("inmem", "", signal.SIGKILL, ""), "agent, hang": ("inmem", "", signal.SIGSTOP, ""),
+         "agent, torch's 1 s rendezvous poll": ("inmem", "", signal.SIGKILL, "1")}
 VICTIM = 3  # on the second node
 INTERVAL = 5
 SBATCH = ["sbatch", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=15", "--parsable"]
@@ -97,7 +100,7 @@ class Script:
 
 
 def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: float) -> dict:
-    agent, standbys, signum = CASES[case]
+    agent, standbys, signum, poll = CASES[case]
     job = f"b{uuid.uuid4().hex[:10]}"
     os.makedirs(work, exist_ok=True)
     loss_log = os.path.join(work, "loss.jsonl")
@@ -110,6 +113,8 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
                 "INMEM_FT_AGENT": agent, "INMEM_FT_WIPE_ON_EXIT": "1", "INMEM_FT_HANG_TIMEOUT": f"{hang_timeout:g}"})
     if standbys:
         env["INMEM_FT_STANDBYS"] = standbys
+    if poll:
+        env["INMEM_FT_RDZV_POLL"] = poll
     argv = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", "100000", "--interval",
             str(INTERVAL), "--loss-log", loss_log]
     run = Slurm(cluster, work, env, argv) if cluster else Script(work, env, argv)

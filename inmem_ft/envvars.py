@@ -87,6 +87,11 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_STANDBYS", "`inmem-ft run`, launch scripts", "one per local rank", "count",
            "Warm standby processes per node that restarted ranks start on (they skip their imports); `0`: off. "
            "Same as `inmem-ft run --standbys`."),
+    EnvVar("INMEM_FT_RDZV_POLL", "`inmem-ft run`, launch scripts", "`auto`: nodes x 1 ms, 0.05 to 1",
+           "seconds (>= 0.01) or `auto`",
+           "How often the agents' c10d rendezvous re-reads its store while it waits for the other nodes (torch's "
+           "own: every second). `auto` keeps the store's load at most about what torch's second gives at 1000 "
+           "nodes. Same as `inmem-ft run --rdzv-poll`."),
     EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
            "`inmem` runs the node under `inmem-ft run`; `torchrun` under plain torchrun (no hang detection, no "
            "time-lost report)."),

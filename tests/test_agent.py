@@ -76,6 +76,7 @@ def test_killed_rank_restarts_through_torchs_agent_bit_identical_and_reports_tim
                         ["--standbys", "0"])
     assert rc == 0, out
     assert "event=standbys_started" not in out and "event=ranks_started attempt=2 from_standby=0 cold=2" in out
+    assert "event=rdzv_poll poll_s=0.05 nodes=1:" in out
     assert "failed (exitcode: -9) local_rank: 1" in out  # torch's agent saw the crash and restarted
     assert "restore rank=1 step=6 source=memory" in out
     steps = [json.loads(line)["step"] for line in open(tmp_path / "loss.jsonl")]
@@ -222,6 +223,7 @@ def test_stale_is_a_function_of_the_clock():
     ([], 2, "give the job an id"),
     (["--job", "a/b"], 2, "job id 'a/b' must be 1-64 characters"),
     (["--job", "ok", "--hang-timeout", "soon"], 2, "'soon' is not a number of seconds"),
+    (["--job", "ok", "--rdzv-poll", "0"], 2, "'0' is neither auto nor a number of seconds >= 0.01"),
     (["--job", "{job}"], 3, "give --memory-budget"),
 ])
 def test_bad_input_is_refused_with_one_line(runtime, job, args, code, message):
@@ -255,3 +257,51 @@ def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, m
         assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"
     finally:
         pool.stop()
+
+
+def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_changes():
+    """Two agents' c10d handlers on a real TCPStore: with the poll scaled (50 ms on 2 nodes), a node that joins a
+    round late finds the other's handler done within a fraction of torch's fixed 1 s poll; torch's module and
+    other handlers keep their 1 s."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous, utils
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from inmem_ft.agent import rendezvous
+    from inmem_ft.launcher.ports import free_port
+
+    assert [rendezvous.default_poll(n) for n in (2, 500, 5000)] == [0.05, 0.5, 1.0]
+    port = free_port()
+    handlers = [get_rendezvous_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "t", 2, 2, is_host=i == 0))
+                for i in range(2)]
+    untouched = get_rendezvous_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "u", 2, 2))
+    assert [rendezvous.scale_polling(h, None) for h in handlers] == [(0.05, 2), (0.05, 2)]
+    assert rendezvous.scale_polling(object(), None) is None  # static rendezvous: nothing polls
+    done: list[list[float]] = [[], []]
+    joined: list[float] = []
+    late_s = 0.4
+
+    def rounds(node: int) -> None:
+        for r in range(3):
+            if node == 1 and r:
+                time.sleep(late_s)
+                joined.append(time.time())
+            handlers[node].next_rendezvous()
+            done[node].append(time.time())
+
+    threads = [threading.Thread(target=rounds, args=(n,)) for n in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(done[0]) == len(done[1]) == 3, done
+        lags = [max(done[0][r], done[1][r]) - joined[r - 1] for r in (1, 2)]
+        assert max(lags) < 0.5, lags  # torch's: up to 1 s for the waiting node's next poll, more for its cache
+    finally:
+        for h in (*handlers, untouched):
+            h.shutdown()
+    assert dynamic_rendezvous._delay is utils._delay
+    assert untouched._op_executor.run.__func__ is type(untouched._op_executor).run
+    assert untouched._state_holder._cache_duration == 1

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import telemetry
 from ..launcher.worker import RECORD_DIR
-from . import hangs
+from . import hangs, rendezvous
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
 from .standbys import StandbyPool, from_standbys, onto
@@ -38,6 +38,7 @@ class AgentOptions:
     work_dir: str
     wipe_on_exit: str  # finished, 1 or 0
     standbys: int | None = None  # warm standby processes; None: one per local rank
+    rdzv_poll_s: float | None = None  # None: scaled with the number of nodes (rendezvous.py)
 
 
 class InmemAgent(LocalElasticAgent):
@@ -52,6 +53,7 @@ class InmemAgent(LocalElasticAgent):
         self._alive_at: float | None = None  # the last poll that found every local rank running
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
+        self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
 
     def say(self, text: str) -> None:
         """One `[inmem_ft] agent node=N event=...` line in the job's log."""
@@ -59,6 +61,10 @@ class InmemAgent(LocalElasticAgent):
 
     def run(self, *args, **kwargs) -> RunResult:
         os.makedirs(self.opts.work_dir, exist_ok=True)
+        if self._poll:
+            poll, nodes = self._poll
+            self.say(f"event=rdzv_poll poll_s={poll:g} nodes={nodes}: the rendezvous reads its store every "
+                     f"{poll * 1000:g} ms while it waits (torch's own: every {rendezvous.MAX_S:g} s)")
         if self.smp:
             self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
@@ -106,6 +112,7 @@ class InmemAgent(LocalElasticAgent):
     def _restart_workers(self, worker_group, *args, **kwargs):
         if not self.clock.pending:  # this node's ranks are well: another node's agent asked for a new round
             self.clock.failed("a peer node asked for a new rendezvous round", self._beats(worker_group),
+                              failed_at=time.time(),
                               note="the failure was on another node: counted from this node's notice of it")
         super()._restart_workers(worker_group, *args, **kwargs)
 

@@ -33,6 +33,18 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _poll(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0.01:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number of seconds >= 0.01")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     from torch.distributed.run import get_args_parser
 
@@ -64,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
                         "MiB of host memory each, no GPU memory) and waits to become a restarted rank, which then "
                         "skips its imports; 0: off, every restart cold (default: one per local rank, or "
                         "$INMEM_FT_STANDBYS)")
+    g.add_argument("--rdzv-poll", type=_poll, default=env("INMEM_FT_RDZV_POLL", "auto"), metavar="S",
+                   help="how often the c10d rendezvous re-reads its store while it waits for the other nodes, in "
+                        "seconds; auto: the number of nodes x 1 ms, at least 0.05 and at most 1 (torch's fixed "
+                        "poll), so that the store is read at most about 1000 times a second (default: auto, or "
+                        "$INMEM_FT_RDZV_POLL)")
     g.add_argument("--work-dir", default=None, metavar="DIR",
                    help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
     g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=("finished", "1", "0"),
@@ -91,7 +108,8 @@ def options(args):
     return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
-                        work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys)
+                        work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys,
+                        rdzv_poll_s=args.rdzv_poll)
 
 
 def through_worker(args) -> None:

@@ -1,0 +1,52 @@
+"""How often the agent's c10d rendezvous polls its store, scaled with the job.
+
+torch's dynamic rendezvous waits for the other nodes by re-reading the shared state from the store once a
+second (`_DistributedRendezvousOpExecutor.run` sleeps `_delay(seconds=1)` on every SYNC action), and serves
+that state from a cache for a second as well (`_BackendRendezvousStateHolder`, which the agent's monitor also
+reads to notice a peer waiting for a new round). The fixed second protects the store at thousands of nodes;
+on a few nodes it is most of a restart: each of the round's steps waits up to a second for the next poll.
+
+Here both scale with the number of nodes: poll = clamp(nodes x 1 ms, 50 ms, 1 s). Every agent reads the state
+at most once per poll, so the store sees at most nodes / poll reads a second: 1000 a second from 50 nodes up
+(what torch's fixed second gives at 1000 nodes), fewer below, and torch's own load above 1000 nodes.
+
+Only this agent's handler changes, and only in those two places: its executor runs torch's own `run` (whatever
+torch version is installed) with `_delay` bound to the poll, and its state holder's cache lasts one poll.
+torch's other delays (the random skew before the first round, keep-alives, timeouts) are left as they are.
+"""
+from __future__ import annotations
+
+import types
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+PER_NODE_S = 0.001
+MIN_S = 0.05
+MAX_S = 1.0  # torch's own
+
+
+def default_poll(nodes: int) -> float:
+    return min(max(nodes * PER_NODE_S, MIN_S), MAX_S)
+
+
+def scale_polling(handler, poll_s: float | None) -> tuple[float, int] | None:
+    """Make `handler` (the agent's rendezvous handler) poll every `poll_s` seconds (None: default_poll of its
+    --nnodes maximum). Returns (poll, nodes), or None where the handler is not torch's dynamic rendezvous
+    (static rendezvous: nothing polls) or torch's executor no longer sleeps through `_delay`."""
+    if not isinstance(handler, dynamic_rendezvous.DynamicRendezvousHandler):
+        return None
+    executor, holder = getattr(handler, "_op_executor", None), getattr(handler, "_state_holder", None)
+    run = getattr(type(executor), "run", None)
+    if run is None or "_delay" not in run.__code__.co_names or not hasattr(holder, "_cache_duration"):
+        return None
+    nodes = handler.settings.max_nodes
+    poll = default_poll(nodes) if poll_s is None else poll_s
+
+    def delay(seconds) -> None:  # the SYNC poll is the only `_delay` in `run`
+        dynamic_rendezvous._delay(poll)
+
+    scoped = {**run.__globals__, "_delay": delay}  # a copy: torch's module keeps its own `_delay`
+    polled_run = types.FunctionType(run.__code__, scoped, run.__name__, run.__defaults__, run.__closure__)
+    executor.run = types.MethodType(polled_run, executor)
+    holder._cache_duration = poll
+    return poll, nodes
