@@ -150,18 +150,17 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
 
 def _recovery(records: list[dict], at: float) -> tuple[float, int, int | None] | None:
     """(seconds from `at` until the loss log is back at the step reached, that step, the step restored) or None
-    while it is not back. A restart shows as a step logged again (not above the one before it); where the
-    restore was of the very step reached, the first step logged after `at` is the restart's."""
-    steps = [r["step"] for r in records]
-    again = next((i for i in range(1, len(records)) if records[i]["time"] > at and steps[i] <= steps[i - 1]), None)
-    if again is None:
-        first = next((i for i, r in enumerate(records) if r["time"] > at), None)
-        if first is None:
-            return None
-        return records[first]["time"] - at, max(steps[:first], default=0), steps[first] - 1
-    reached = max(steps[:again])
-    back = next((r for r in records[again:] if r["step"] >= reached), None)
-    return (back["time"] - at, reached, steps[again] - 1) if back else None
+    while it is not back. The restart's records are those of another process than the one logging at `at`
+    (rank 0 restarts with every rank), so a step the failed attempt still logged after `at` counts as reached,
+    not as the restart's."""
+    before = [r for r in records if r["time"] <= at]
+    if not before:
+        return None
+    failed = before[-1]["pid"]
+    reached = max(r["step"] for r in records if r["pid"] == failed)
+    restart = [r for r in records if r["time"] > at and r["pid"] != failed]
+    back = next((r for r in restart if r["step"] >= reached), None)
+    return (back["time"] - at, reached, restart[0]["step"] - 1) if back else None
 
 
 def _back_past(records: list[dict], at: float) -> bool:

@@ -180,14 +180,16 @@ def log_to_stderr(level: int = logging.INFO) -> None:
 
 def report_loss(step: int, loss: float, path: str | None = None, **extra) -> None:
     """Append (step, loss) to the loss log (`path` or $INMEM_FT_LOSS_LOG) from rank 0; a no-op without one.
-    `extra`: more numbers of the step to log beside it (e.g. grad_norm)."""
+    `extra`: more numbers of the step to log beside it (e.g. grad_norm). Each record names the process that
+    wrote it: a restart's steps are told from the failed attempt's late ones by it, not by their order."""
     import torch.distributed as dist
 
     path = path or os.environ.get(LOSS_LOG)
     if not path or (dist.is_initialized() and dist.get_rank() != 0):
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"step": step, "loss": float(loss), **extra, "time": time.time()}) + "\n")
+        f.write(json.dumps({"step": step, "loss": float(loss), **extra, "time": time.time(), "pid": os.getpid()})
+                + "\n")
 
 
 class Tail:
