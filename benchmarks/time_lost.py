@@ -213,9 +213,13 @@ def summary(runs: list[dict]) -> dict:
     out = {"lost_s": statistics.median(r["lost_s"] for r in runs)}
     splits = [r["agent_split"] for r in runs if r.get("agent_split")]
     if splits:
-        parts = {p: [s["parts"][p] for s in splits] for p in splits[0]["parts"]}
-        out.update(total_s=statistics.median(s["total_s"] for s in splits),
-                   parts={p: None if None in v else statistics.median(v) for p, v in parts.items()},
+        # A split whose ranks' records missed a boundary merges the parts around it ("setup + restore + ..."):
+        # each part's median is over the splits that measured it on its own.
+        names = list(dict.fromkeys(p for s in splits for p in s["parts"]))
+        parts = {p: [s["parts"][p] for s in splits if s["parts"].get(p) is not None] for p in names}
+        totals = [s["total_s"] for s in splits if s["total_s"] is not None]
+        out.update(total_s=statistics.median(totals) if totals else None,
+                   parts={p: statistics.median(v) if v else None for p, v in parts.items()},
                    starts=[s["starts"] for s in splits])
     return out
 
