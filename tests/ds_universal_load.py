@@ -167,7 +167,7 @@ def main() -> None:
             if key not in truth or value is None or not torch.equal(value.to(truth[key].dtype),
                                                                     local(param, truth[key], mpu)):
                 mismatched.append(key)
-    if args.pp or args.tp:  # each stage checked its own layers (a tied one on every stage that holds it): rank 0 takes all
+    if args.pp or args.tp:  # each rank checked its own stage's layers (a tied one on each stage holding it)
         everyone = [None] * int(os.environ["WORLD_SIZE"])
         torch.distributed.all_gather_object(everyone, (checked, mismatched))
         checked = sorted({k for c, _ in everyone for k in c})

@@ -124,7 +124,8 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
             t, dim = src.tensor(skey), partition_dim(src, skey) if src.topology.get("tp", 1) > 1 else None
             if [n for d, n in enumerate(t.shape) if d != dim] != [n for d, n in enumerate(shape) if d != dim]:
                 raise InmemFTError(f"{kind} of {name}: the catalog's global shape {tuple(t.shape)} is not "
-                                   f"DeepSpeed's param_shapes {tuple(shape)} (split along dim {dim})")
+                                   f"DeepSpeed's param_shapes {tuple(shape)}"
+                                   f"{'' if dim is None else f' outside its tensor-parallel dim {dim}'}")
             # DeepSpeed cuts `param` along cat_dim for each tensor-parallel rank (whole where the shapes match)
             torch.save({"param": t, "cat_dim": dim or 0}, os.path.join(pdir, f"{fname}.pt"))
             tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
