@@ -11,9 +11,12 @@ parameters), so any exported model loads. Rank 0 writes {checked, mismatched, gl
 With --pp N the model is a PipelineModule of N stages whose layers are bare modules with the parameters
 DeepSpeed named `<layer index>.<name>` in the checkpoint, and `--tied KEY=I,J` a TiedLayerSpec at layers I and J
 (its parameters are `tied_modules.KEY.<name>`); the truth is keyed as inmem_ft's shard map keys a pipeline,
-`layer_XX.<name>` (a tied parameter at its first layer).
+`layer_XX.<name>` (a tied parameter at its first layer). With --tp N (and --pp) the model is the TP example's
+PipelineModule and mpu (inmem_ft/examples/deepspeed_tp.py: model code, none of inmem_ft's snapshot code), and each
+rank compares its tensor-parallel slice of the truth's global tensors.
 """
 import argparse
+import glob
 import json
 import os
 import sys
@@ -54,7 +57,6 @@ class Bare(nn.Module):
 
 def bare_pipeline(load_dir: str, tag: str, stages: int, tied: dict[str, list[int]]):
     """(PipelineModule, DeepSpeed's parameter name -> the truth's key) from every stage's param_shapes."""
-    import glob
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     shapes = {}
@@ -74,6 +76,11 @@ def bare_pipeline(load_dir: str, tag: str, stages: int, tied: dict[str, list[int
     specs = [TiedLayerSpec(at[i], Bare, tied_shapes[at[i]]) if i in at else LayerSpec(Bare, layers[i])
              for i in range(max([*layers, *at]) + 1)]
 
+    return PipelineModule(specs, num_stages=stages, partition_method="uniform"), layer_keys(tied)
+
+
+def layer_keys(tied: dict[str, list[int]]):
+    """DeepSpeed's pipeline parameter name -> the truth's key."""
     def key_of(name: str) -> str:
         head, rest = name.split(".", 1)
         if head == "tied_modules":
@@ -81,7 +88,30 @@ def bare_pipeline(load_dir: str, tag: str, stages: int, tied: dict[str, list[int
             return f"layer_{min(tied[key]):02d}.{rest}"
         return f"layer_{int(head):02d}.{rest}"
 
-    return PipelineModule(specs, num_stages=stages, partition_method="uniform"), key_of
+    return key_of
+
+
+def tp_pipeline(tag_dir: str, stages: int, tp: int, states: dict):
+    """(the example's TP GPT (inmem_ft/examples/deepspeed_tp.py, its model code only) in `stages` x `tp`, its
+    width and depth read from the checkpoint, key_of, its mpu)."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's example
+    from inmem_ft.examples.deepspeed_tp import ModelParallelUnit, pipeline
+
+    world = int(os.environ["WORLD_SIZE"])
+    mpu = ModelParallelUnit(PipeModelDataParallelTopology(stages, tp, world // (stages * tp)))
+    hidden = {n: s for group in states["param_shapes"] for n, s in group.items()}["1.pos.weight"][1]
+    layers = len(glob.glob(os.path.join(tag_dir, "zero", "*.qkv.weight")))
+    return pipeline(layers, hidden, 4, 0.0, mpu), layer_keys({"embed": [0, layers + 3]}), mpu
+
+
+def local(param, full: torch.Tensor, mpu) -> torch.Tensor:
+    """This tensor-parallel rank's slice of `full`, as the example's layers cut it."""
+    if mpu is None or not getattr(param, "tensor_model_parallel", False):
+        return full
+    return full.chunk(mpu.get_tensor_model_parallel_world_size(), param.partition_dim)[
+        mpu.get_tensor_model_parallel_rank()]
 
 
 def main() -> None:
@@ -91,6 +121,8 @@ def main() -> None:
     p.add_argument("--truth", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--pp", type=int, default=0, help="load into a PipelineModule of this many stages")
+    p.add_argument("--tp", type=int, default=0, help="load into the TP example's PipelineModule (--pp stages) at "
+                                                     "this tensor-parallel size")
     p.add_argument("--tied", action="append", default=[], help="KEY=I,J: a tied layer at layers I and J (with --pp)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -103,7 +135,10 @@ def main() -> None:
     with open(os.path.join(args.load_dir, "latest_universal")) as f:
         tag = f.read().strip()
     states = torch.load(os.path.join(args.load_dir, tag, "mp_rank_00_model_states.pt"), weights_only=False)
-    if args.pp:
+    mpu = None
+    if args.tp:
+        model, key_of, mpu = tp_pipeline(os.path.join(args.load_dir, tag), args.pp, args.tp, states)
+    elif args.pp:
         tied = {k: [int(i) for i in v.split(",")] for k, v in (t.split("=") for t in args.tied)}
         model, key_of = bare_pipeline(args.load_dir, tag, args.pp, tied)
     else:
@@ -113,7 +148,7 @@ def main() -> None:
     config["zero_optimization"] = {"stage": args.zero_stage}
     config["checkpoint"] = {"load_universal": True}
     config["train_batch_size"] = (config["train_micro_batch_size_per_gpu"] * config.get("gradient_accumulation_steps", 1)
-                                  * int(os.environ["WORLD_SIZE"]) // max(args.pp, 1))
+                                  * int(os.environ["WORLD_SIZE"]) // (max(args.pp, 1) * max(args.tp, 1)))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     path, _ = engine.load_checkpoint(args.load_dir)
     assert path is not None, f"nothing loaded from {args.load_dir}"
@@ -129,9 +164,10 @@ def main() -> None:
             got[key] = param.detach()
         for key, value in got.items():  # collectives above run on every rank of the stage
             checked.append(key)
-            if key not in truth or value is None or not torch.equal(value.to(truth[key].dtype), truth[key]):
+            if key not in truth or value is None or not torch.equal(value.to(truth[key].dtype),
+                                                                    local(param, truth[key], mpu)):
                 mismatched.append(key)
-    if args.pp:  # each stage checked its own layers (a tied one on every stage that holds it): rank 0 takes all
+    if args.pp or args.tp:  # each rank checked its own stage's layers (a tied one on each stage holding it)
         everyone = [None] * int(os.environ["WORLD_SIZE"])
         torch.distributed.all_gather_object(everyone, (checked, mismatched))
         checked = sorted({k for c, _ in everyone for k in c})
@@ -144,7 +180,10 @@ def main() -> None:
                        "global_samples": engine.global_samples, "lr": engine.get_lr(),
                        "optimizer_steps": sorted({float(s) for s in step}),
                        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                       "imported_inmem_ft": any(m.split(".")[0] == "inmem_ft" for m in sys.modules)}, f)
+                       "imported_inmem_ft": any(m.split(".")[0] == "inmem_ft" for m in sys.modules),
+                       "imported_inmem_ft_beyond_examples": sorted(
+                           m for m in sys.modules if m.startswith("inmem_ft.")
+                           and m.split(".")[1] not in ("examples", "errors", "_lazy", "_version"))}, f)
 
 
 

@@ -231,3 +231,34 @@ def test_an_unmarked_split_parameter_is_refused_naming_the_rule_to_add(runtime):
                         "(no tensor_model_parallel/partition_dim attributes, no 'partition_dims' rule) but differs "
                         "between them; mark it, or add \"partition_dims\": {\"blocks.0.fc1.weight\": <dim>} to the "
                         "inmem_ft config (if it is meant to be the same on every rank, initialize it the same)"]
+
+
+@pytest.mark.slow
+def test_tp2_pp2_export_loads_in_stock_deepspeed_at_tp2_pp2_and_tp1(job, runtime):
+    """TP2 x PP2 (ZeRO-1) exported from memory as a universal checkpoint: stock DeepSpeed ("load_universal":
+    true) loads it into the example's TP PipelineModule at TP2 x PP2 (each rank cutting its slices by cat_dim)
+    and at TP1 x PP2 and TP1 x PP1 (whole tensors), every parameter, fp32 master and Adam moment equal to the source's
+    global tensors (each rank's slice of them), the counters along."""
+    from test_export import stock
+
+    out = runtime / "universal"
+    with SimulatedCluster(2, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        run_ok(cluster, example(2, 2, "--dump-full", runtime / "old.pt", "--dump-step", 4, steps=4))
+        proc = subprocess.run([sys.executable, "-m", "inmem_ft.cli", "export", "--job", job, "--socket",
+                               cluster.socket_path(1), "--format", "deepspeed-universal", "--out", str(out),
+                               "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(n for n in os.listdir(out / "global_step4") if n.endswith("model_states.pt")) == [
+        f"mp_rank_{r:02d}_model_states.pt" for r in range(4)]  # one per (stage, TP rank)
+    qkv = torch.load(out / "global_step4" / "zero" / "2.qkv.weight" / "exp_avg.pt", weights_only=True)
+    proj = torch.load(out / "global_step4" / "zero" / "2.proj.weight" / "exp_avg.pt", weights_only=True)
+    assert (qkv["cat_dim"], tuple(qkv["param"].shape)) == (0, (3 * HIDDEN, HIDDEN))
+    assert (proj["cat_dim"], tuple(proj["param"].shape)) == (1, (HIDDEN, HIDDEN))
+    truth = torch.load(runtime / "old.pt", weights_only=True)
+    truth.pop("_counters")
+    for world, tp, pp in ((4, 2, 2), (2, 1, 2), (1, 1, 1)):
+        got = stock("ds_universal_load.py", ["--load-dir", out, "--zero-stage", 1, "--truth", runtime / "old.pt",
+                                             "--pp", pp, "--tp", tp], world, runtime / f"tp{tp}pp{pp}.json")
+        assert got["imported_inmem_ft_beyond_examples"] == []  # the example's model code, none of the snapshot's
+        assert got["mismatched"] == [] and got["checked_keys"] == sorted(truth), (tp, pp)
+        assert got["global_steps"] == 4 and got["optimizer_steps"] == [4.0]

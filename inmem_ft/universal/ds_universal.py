@@ -1,7 +1,8 @@
 """A snapshot as the universal checkpoint DeepSpeed's `ds_to_universal` writes, built from memory.
 
     <out>/latest_universal                      the tag
-    <out>/<tag>/zero/<param>/fp32.pt            {'param': full fp32 master weight, 'cat_dim': 0}
+    <out>/<tag>/zero/<param>/fp32.pt            {'param': full fp32 master weight, 'cat_dim': its
+                                                tensor-parallel dim (0 if not split)}
     <out>/<tag>/zero/<param>/exp_avg.pt         the same for each Adam moment
     <out>/<tag>/zero/<param>/step.pt            the optimizer step of the parameter's group
     <out>/<tag>/zero/optimizer_state.pt         the optimizer's non-tensor state and param_groups
@@ -43,9 +44,9 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
     if topo.get("framework") != "deepspeed":
         raise InmemFTError(f"--format deepspeed-universal needs a DeepSpeed snapshot; step {src.step} was taken "
                            f"by {topo.get('framework')!r}: export it with --format megatron-dist or torch-dcp")
-    if topo.get("zero_stage") not in (1, 2, 3) or topo.get("tp", 1) > 1:
-        raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3 without tensor parallelism; this "
-                           f"snapshot is ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} pp{topo.get('pp')}: "
+    if topo.get("zero_stage") not in (1, 2, 3):
+        raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3; this snapshot is "
+                           f"ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} pp{topo.get('pp')}: "
                            f"export it with --format torch-dcp")
     from ..integrations.deepspeed import types  # imports deepspeed: only for this format
 
@@ -54,6 +55,9 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
 
     if topo.get("pp", 1) > 1 or ds_universal_pipeline.recorded_names(src, 0) is not None:  # PipelineModule
         return ds_universal_pipeline.plan(src)
+    if topo.get("tp", 1) > 1:
+        raise InmemFTError(f"--format deepspeed-universal covers tensor parallelism only in a PipelineModule; "
+                           f"this snapshot is tp{topo.get('tp')} without one: export it with --format torch-dcp")
     model, common, groups = rank_plan(src, 0)
     params = [(name, name, shape, step) for group, step in groups for name, shape in group.items()]
     # fix 1: the ZeRO-3 engine globs zero_pp_rank_0_mp_rank_*_model_states.pt
@@ -91,6 +95,17 @@ def rank_plan(src: MemorySource, rank: int) -> tuple[dict, dict, list[tuple[dict
     return model, common, groups
 
 
+def partition_dim(src: MemorySource, key: str) -> int | None:
+    """The one dim along which `key`'s main fragments split it across tensor-parallel ranks (None: whole)."""
+    cols = src.fragments.cols
+    dims = {d for i in src.fragments.by_key[key]
+            for d, (box, full) in enumerate(zip(cols["shape"][i], cols["global_shape"][i])) if box != full}
+    if len(dims) > 1:
+        raise InmemFTError(f"{key} is split along dims {sorted(dims)}; --format deepspeed-universal takes one "
+                           f"tensor-parallel dim per parameter: export it with --format torch-dcp")
+    return dims.pop() if dims else None
+
+
 def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     """Writes the checkpoint under `out`, one tensor at a time (`bar`: a tqdm); returns (the tag directory,
     tensors, bytes)."""
@@ -105,11 +120,14 @@ def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
         pdir = os.path.join(zero, name)
         os.makedirs(pdir)
         for kind, fname in FILES:
-            t = src.tensor(f"optimizer.state.{kind}.{key}")
-            if tuple(t.shape) != tuple(shape):
+            skey = f"optimizer.state.{kind}.{key}"
+            t, dim = src.tensor(skey), partition_dim(src, skey) if src.topology.get("tp", 1) > 1 else None
+            if [n for d, n in enumerate(t.shape) if d != dim] != [n for d, n in enumerate(shape) if d != dim]:
                 raise InmemFTError(f"{kind} of {name}: the catalog's global shape {tuple(t.shape)} is not "
-                                   f"DeepSpeed's param_shapes {tuple(shape)}")
-            torch.save({"param": t, "cat_dim": 0}, os.path.join(pdir, f"{fname}.pt"))
+                                   f"DeepSpeed's param_shapes {tuple(shape)}"
+                                   f"{'' if dim is None else f' outside its tensor-parallel dim {dim}'}")
+            # DeepSpeed cuts `param` along cat_dim for each tensor-parallel rank (whole where the shapes match)
+            torch.save({"param": t, "cat_dim": dim or 0}, os.path.join(pdir, f"{fname}.pt"))
             tensors, nbytes = tensors + 1, nbytes + t.numel() * t.element_size()
             bar.update(1)
             del t  # before the next one is read

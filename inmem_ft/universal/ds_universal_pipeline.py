@@ -3,8 +3,9 @@
 
     <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as ds_universal.py: `3.qkv.weight`, and a tied
                                                         parameter once, `tied_modules.<key>.weight`
-    <out>/<tag>/mp_rank_<SS>_model_states.pt            stage SS's model states (its param_shapes, steps,
-                                                        lr scheduler), one file per stage
+    <out>/<tag>/mp_rank_<NN>_model_states.pt            the model states (param_shapes, steps, lr scheduler) of
+                                                        stage S's tensor-parallel rank T, NN = S * tp + T (the
+                                                        model-parallel rank DeepSpeed reads it by)
 
 DeepSpeed names a PipelineModule's parameters by the layer's global index (or the tied key), whichever stage
 holds the layer, and a universal load reads the weights and optimizer state from zero/ only (never the
@@ -20,17 +21,18 @@ from .ds_universal import rank_plan
 from .source import MemorySource
 
 
-def stage_ranks(src: MemorySource) -> dict[int, int]:
-    """Pipeline stage -> the rank at data-parallel (and tensor-parallel) coordinate 0 of it."""
-    out: dict[int, int] = {}
+def model_parallel_ranks(src: MemorySource) -> dict[tuple[int, int], int]:
+    """(pipeline stage, tensor-parallel rank) -> the rank at data-parallel coordinate 0 of it."""
+    out: dict[tuple[int, int], int] = {}
     for rank in sorted(src.manifests):
         coords = src.topology_of(rank).get("coords", {})
-        if coords.get("dp", 0) == 0 and coords.get("tp", 0) == 0:
-            out.setdefault(coords.get("pp", 0), rank)
-    pp = src.topology.get("pp", 1)
-    if sorted(out) != list(range(pp)):
-        raise InmemFTError(f"step {src.step}'s topology records name stages {sorted(out)} at data-parallel rank 0, "
-                           f"not all {pp}: not a snapshot this exporter understands")
+        if coords.get("dp", 0) == 0:
+            out.setdefault((coords.get("pp", 0), coords.get("tp", 0)), rank)
+    pp, tp = src.topology.get("pp", 1), src.topology.get("tp", 1)
+    want = [(s, t) for s in range(max(pp, 1)) for t in range(tp)]
+    if sorted(out) != want:
+        raise InmemFTError(f"step {src.step}'s topology records name (stage, tensor-parallel rank) {sorted(out)} at "
+                           f"data-parallel rank 0, not all {want}: not a snapshot this exporter understands")
     return out
 
 
@@ -45,17 +47,21 @@ def recorded_names(src: MemorySource, rank: int) -> dict[str, str] | None:
 
 def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
     """ds_universal.plan for a pipeline snapshot: every stage's parameters once (a tied one from the first stage
-    that holds it), every stage's model states; the optimizer's common state from stage 0."""
+    that holds it; the shapes tensor-parallel rank 0 holds), every model-parallel rank's model states; the
+    optimizer's common state from stage 0."""
     models, params, seen, common = {}, [], set(), None
-    for stage, rank in sorted(stage_ranks(src).items()):
+    tp = src.topology.get("tp", 1)
+    for (stage, tp_rank), rank in sorted(model_parallel_ranks(src).items()):
         model, stage_common, groups = rank_plan(src, rank)
+        models[f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"] = model
+        if tp_rank:  # its parameters are the same global tensors as TP rank 0's
+            continue
         keys = recorded_names(src, rank)
         if keys is None:
             raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} does not record its pipeline parameter "
                                f"names (taken by an older inmem_ft): export a step taken since, or use --format "
                                f"torch-dcp")
         common = common or stage_common
-        models[f"mp_rank_{stage:02d}_model_states.pt"] = model
         for group, step in groups:
             for name, shape in group.items():
                 if name not in seen:
