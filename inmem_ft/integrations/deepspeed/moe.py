@@ -25,9 +25,8 @@ import dataclasses
 import re
 
 from ...errors import ConfigError
-from ...snapshot import Sharded
 from ...snapshot.annotate import OPTIMIZER_STATE, optimizer_key
-from . import tensor_parallel
+from . import shards, tensor_parallel
 
 _EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 _EXPERT_FILE = re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$")
@@ -78,15 +77,7 @@ class Experts:
     def rekey(self, tree):
         """Re-key, in place, the optimizer-state specs in `tree` (shards.with_specs' output, whose Sharded
         wrappers are its own) from local expert names to global ones."""
-        if isinstance(tree, Sharded):
-            tree.specs = tuple(self._rekeyed(s) for s in tree.specs)
-        elif isinstance(tree, dict):
-            for value in tree.values():
-                self.rekey(value)
-        elif isinstance(tree, (list, tuple)):
-            for value in tree:
-                self.rekey(value)
-        return tree
+        return shards.rekey_specs(tree, self._rekeyed)
 
     def _rekeyed(self, spec):
         if not spec.key.startswith(OPTIMIZER_STATE):

@@ -21,8 +21,9 @@ import dataclasses
 import functools
 
 from ...errors import ConfigError
-from ...snapshot import Sharded, annotate
+from ...snapshot import annotate
 from ...snapshot.annotate import OPTIMIZER_STATE, optimizer_key
+from . import shards
 
 _LAYER_PREFIX = "layer_"
 
@@ -76,15 +77,7 @@ class Pipeline:
     def rekey(self, tree):
         """Re-key, in place, the optimizer-state specs in `tree` (shards.with_specs' output, whose Sharded
         wrappers are its own) from module parameter names to layer keys."""
-        if isinstance(tree, Sharded):
-            tree.specs = tuple(self._rekeyed(s) for s in tree.specs)
-        elif isinstance(tree, dict):
-            for value in tree.values():
-                self.rekey(value)
-        elif isinstance(tree, (list, tuple)):
-            for value in tree:
-                self.rekey(value)
-        return tree
+        return shards.rekey_specs(tree, self._rekeyed)
 
     def _rekeyed(self, spec):
         if not spec.key.startswith(OPTIMIZER_STATE):

@@ -144,3 +144,17 @@ def _zero0_optimizer(opt: dict, param_names: dict) -> dict:
             index += len(group)
         opt["fp32_groups"] = groups
     return opt
+
+
+def rekey_specs(tree, rekeyed):
+    """Apply `rekeyed` (spec -> spec) to every shard spec in `tree` (with_specs' output, whose Sharded wrappers
+    are its own), in place: the pipeline and MoE adapters move specs from module names to their own keys."""
+    if isinstance(tree, Sharded):
+        tree.specs = tuple(rekeyed(s) for s in tree.specs)
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            rekey_specs(value, rekeyed)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            rekey_specs(value, rekeyed)
+    return tree
