@@ -125,7 +125,7 @@ class Costs:
     protect_s_per_gib: float = 4.86
     restore_s_per_gib: float = 2.02
     rebuild_s_per_gib: float = 5.26
-    detect_s: float = 0.414
+    detect_s: float = 0.295
     restart_s: float = 30.0
     hang_timeout_s: float = 60.0
     # The SMPs' CPU seconds per node fell from 2 to 8 nodes: a falling slope is not extrapolated.
