@@ -14,6 +14,7 @@ import mmap
 import os
 import signal
 import struct
+import sys
 import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [inmem_ft] %(message)s"
@@ -41,6 +42,7 @@ class Heartbeat:
         self.path = os.path.join(directory, f"rank{rank}{BEAT_SUFFIX}")
         self.extra_path = os.path.join(directory, f"rank{rank}.json")
         self._map: mmap.mmap | None = None
+        self._published: memoryview | None = None  # the beat count, as one native 8-byte word of the mapping
         self._seq = 0
         self._values = [os.getpid(), -1, 0.0, 0, -1, -1.0, -1]  # the _BODY fields, -1: not reported (yet)
         self._extra: dict = {}
@@ -64,9 +66,12 @@ class Heartbeat:
         values[2] = time.time()  # vDSO: no system call
         if self._map is None:
             self._map = self._create()
+            self._published = memoryview(self._map)[:SEQ_SIZE].cast("Q")
         self._seq += 1
         _BODY.pack_into(self._map, _slot(self._seq), *values)
-        _SEQ.pack_into(self._map, 0, self._seq)  # published
+        # One aligned 8-byte store, which no signal splits: struct would write the count byte by byte, and a
+        # rank stopped between two of them (SIGSTOP, a hang) would show a count it never published (255 -> 0).
+        self._published[0] = self._seq
         if extra:
             write_record(self.extra_path, {"pid": values[0], **self._extra})
 
@@ -83,19 +88,23 @@ class Heartbeat:
         return mapped
 
 
-# The mapped record, little-endian: the number of beats published, then two slots of the per-step fields; beat
-# n is in slot n % 2.
+# The mapped record: the number of beats published (a native 8-byte word: the file never leaves its node), then
+# two slots of the per-step fields, little-endian; beat n is in slot n % 2.
 BEAT_SUFFIX = ".beat"
-_SEQ = struct.Struct("<Q")
+SEQ_SIZE = 8
 _BODY = struct.Struct("<qqdqqdq")  # pid, step, time, done, snapshot_step, stall_s, bytes
 _FIELDS = ("pid", "step", "time", "done", "snapshot_step", "stall_s", "bytes")
 _FIELD_INDEX = {name: i for i, name in enumerate(_FIELDS) if name not in ("pid", "time")}
-RECORD_SIZE = _SEQ.size + 2 * _BODY.size
+RECORD_SIZE = SEQ_SIZE + 2 * _BODY.size
 READ_TRIES = 100
 
 
+def _published(mapped: mmap.mmap) -> int:
+    return int.from_bytes(mapped[:SEQ_SIZE], sys.byteorder)
+
+
 def _slot(seq: int) -> int:
-    return _SEQ.size + (seq % 2) * _BODY.size
+    return SEQ_SIZE + (seq % 2) * _BODY.size
 
 
 def read_beat(path: str) -> dict | None:
@@ -108,11 +117,11 @@ def read_beat(path: str) -> dict | None:
         return None
     with mapped:
         for _ in range(READ_TRIES):
-            (seq,) = _SEQ.unpack_from(mapped, 0)
+            seq = _published(mapped)
             if seq == 0:
                 return None  # created, not beaten yet
             body = _BODY.unpack_from(mapped, _slot(seq))
-            if _SEQ.unpack_from(mapped, 0)[0] == seq:  # no beat overwrote that slot meanwhile
+            if _published(mapped) == seq:  # no beat overwrote that slot meanwhile
                 break
         else:  # it beats faster than this reads: the next look will do
             return None

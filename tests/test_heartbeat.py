@@ -56,6 +56,7 @@ def test_a_stopped_writer_leaves_a_whole_beat_that_goes_stale(tmp_path):
             time.sleep(0.05)
         for _ in range(20):
             proc.send_signal(signal.SIGSTOP)
+            _wait_stopped(proc.pid)  # kill() returns before the signal has stopped the process
             beats = hangs.beats_of(str(tmp_path), {0: proc.pid})
             assert beats[0]["step"] > 0, beats
             stopped_at = beats[0]["time"]
@@ -66,3 +67,10 @@ def test_a_stopped_writer_leaves_a_whole_beat_that_goes_stale(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
