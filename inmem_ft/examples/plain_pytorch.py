@@ -7,6 +7,7 @@ loss trajectory is bit-identical to a run that never failed.
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ def main() -> None:
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
     p.add_argument("--die-rank", type=int, default=0, help="the rank --die-at or --hang-at acts on")
     p.add_argument("--hang-at", type=int, default=None,
-                   help="failure injection: SIGSTOP self after this step (first torchrun attempt only): a hung rank")
+                   help="failure injection: SIGSTOP self after this step, and stay there once continued (first torchrun "
+                        "attempt only): a hung rank")
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
     p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
@@ -91,6 +93,8 @@ def main() -> None:
         if step in (args.die_at, args.hang_at) and rank == args.die_rank:
             snap.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
             os.kill(os.getpid(), signal.SIGKILL if step == args.die_at else signal.SIGSTOP)
+            while step == args.hang_at:  # a hang stays one: the SIGCONT that lets it print its stacks ends none
+                time.sleep(1)
     snap.close()
     if args.dump_full and rank == 0:
         model_sd, opt_sd = annotate.model_and_optimizer(model, opt)
