@@ -16,6 +16,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import telemetry
+from ..smp import control
 from ..launcher.worker import RECORD_DIR
 from . import hangs, rendezvous
 from .clock import RecoveryClock
@@ -156,7 +157,8 @@ class InmemAgent(LocalElasticAgent):
             return
         first = min(result.failures.values(), key=lambda f: f.timestamp)
         if first.exitcode > 0:
-            said = _last_line(self._pcontext.stderrs.get(first.local_rank, ""))
+            log = self._pcontext.stderrs.get(first.local_rank)
+            said = control.last_line(log) if log and os.path.exists(log) else ""
             self.standbys.off(f"local rank {first.local_rank}, started on a standby, exited with {first.exitcode} "
                               f"before training got back (its imports may have to follow its own code)"
                               + (f": {said}" if said else ""))
@@ -228,14 +230,3 @@ def _describe(result: RunResult) -> str:
         return f"the worker group became {result.state.name}"
     return "; ".join(f"rank {rank} exited with {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
                      for rank, f in sorted(result.failures.items()))
-
-
-def _last_line(path: str) -> str:
-    """The last line a rank wrote to its log (its exception, when it raised one)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
-            lines = f.read().decode(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
