@@ -12,11 +12,12 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import ConfigError
 
-# Distribution name -> the releases tested: from the oldest that make test-compat passes (tests/compat/matrix.toml,
-# docs/compatibility.md; tests/test_compat.py keeps them equal to its results).
+# Distribution name -> the releases tested, one range per minor series: from the release make test-compat passed
+# (tests/compat/matrix.toml, docs/compatibility.md; tests/test_compat.py keeps them equal to its results) to the
+# next minor. The patch releases between two series' tested ones (0.18.0 to 0.18.8, say) were not run: refused.
 TESTED = {
-    "deepspeed": ">=0.19.8,<0.20",
-    "megatron-core": ">=0.19.2,<0.20",
+    "deepspeed": (">=0.18.9,<0.19", ">=0.19.8,<0.20"),
+    "megatron-core": (">=0.19.2,<0.20",),
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'
@@ -31,7 +32,21 @@ def is_tested(framework: str, version: str) -> bool:
         public = Version(version).public
     except InvalidVersion:
         return False
-    return SpecifierSet(TESTED[framework]).contains(public)
+    return any(SpecifierSet(series).contains(public) for series in TESTED[framework])
+
+
+def tested(framework: str) -> str:
+    """The tested releases as one line: 'deepspeed>=0.18.9,<0.19 or >=0.19.8,<0.20'."""
+    return framework + " or ".join(TESTED[framework])
+
+
+def requirement(framework: str) -> str:
+    """One requirement that holds every tested series (a package's extras cannot say 'or'): from the oldest
+    series' floor to the newest's ceiling. The adapters' check is the narrower TESTED."""
+    bounds = [s for series in TESTED[framework] for s in SpecifierSet(series)]
+    floor = min((s for s in bounds if s.operator == ">="), key=lambda s: Version(s.version))
+    ceiling = max((s for s in bounds if s.operator == "<"), key=lambda s: Version(s.version))
+    return f"{framework}{floor},{ceiling}"
 
 
 def allowed_by_env() -> bool:
@@ -44,12 +59,12 @@ def check(framework: str, version: str, allow_untested: bool = False, without: s
     `without`: how to train without inmem_ft instead, appended to the error."""
     if is_tested(framework, version):
         return version
-    tested = f"{framework}{TESTED[framework]}"
     if allow_untested or allowed_by_env():
         log.warning("inmem_ft: %s %s is untested (tested: %s); running anyway because %s is set: check that "
-                    "a restore resumes the loss curve", framework, version, tested,
+                    "a restore resumes the loss curve", framework, version, tested(framework),
                     _ALLOW_KEY if allow_untested else f"{ALLOW_ENV}=1")
         return version
-    raise ConfigError(f"inmem_ft: {framework} {version} is not supported (tested: {tested}); install a tested "
-                      f"release (pip install '{tested}'), or set {ALLOW_ENV}=1 (or {_ALLOW_KEY}) to run it "
+    newest = f"{framework}{TESTED[framework][-1]}"
+    raise ConfigError(f"inmem_ft: {framework} {version} is not supported (tested: {tested(framework)}); install a "
+                      f"tested release (pip install '{newest}'), or set {ALLOW_ENV}=1 (or {_ALLOW_KEY}) to run it "
                       f"untested{f', or {without}' if without else ''}")

@@ -31,7 +31,8 @@ def table(results: dict) -> str:
                     f"{r['numpy']} | {outcome} | {r['build_s']} + {r['tests_s']} s | {r['date']}, {r['commit']} |")
     machines = sorted({r["machine"] for r in results.values()})
     return "\n".join([
-        f"The adapters accept DeepSpeed `{TESTED['deepspeed']}` and megatron-core `{TESTED['megatron-core']}` "
+        f"The adapters accept DeepSpeed {' or '.join(f'`{s}`' for s in TESTED['deepspeed'])} and megatron-core "
+        f"{' or '.join(f'`{s}`' for s in TESTED['megatron-core'])} "
         f"(`inmem_ft/compat.py`);",
         f"each row is a combination `make test-compat` ran (`tests/compat/results.json`, on {'; '.join(machines)};",
         "build time 0: an existing venv; what failed or was not run, and why: `docs/compatibility.md`):",

@@ -23,7 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("deepspeed", "0.19.9", True),
     ("deepspeed", "0.19.8+abc1234", True),  # a source build of a tested release
     ("deepspeed", "0.19.7", False),
-    ("deepspeed", "0.18.9", False),
+    ("deepspeed", "0.18.9", True),  # the 0.18 series, from its tested release
+    ("deepspeed", "0.18.8", False),
+    ("deepspeed", "0.17.6", False),
     ("deepspeed", "0.20.0", False),
     ("deepspeed", "0.20.0rc1", False),
     ("deepspeed", "not-a-version", False),
@@ -44,7 +46,7 @@ def test_untested_release_is_refused_in_one_line_naming_range_and_opt_in(monkeyp
         compat.check("deepspeed", "0.20.0", without="remove the inmem_ft block")
     said = str(e.value)
     assert "\n" not in said
-    assert f"deepspeed 0.20.0 is not supported (tested: deepspeed{compat.TESTED['deepspeed']})" in said
+    assert f"deepspeed 0.20.0 is not supported (tested: {compat.tested('deepspeed')})" in said
     assert "INMEM_FT_ALLOW_UNTESTED=1" in said and '"allow_untested": true' in said
     assert said.endswith("or remove the inmem_ft block")
 
@@ -57,7 +59,7 @@ def test_opt_in_runs_an_untested_release_with_one_warning(monkeypatch, caplog, h
     with caplog.at_level(logging.WARNING, logger="inmem_ft"):
         assert compat.check("megatron-core", "0.21.0", allow_untested=how == "config") == "0.21.0"
     [record] = caplog.records
-    assert f"megatron-core 0.21.0 is untested (tested: megatron-core{compat.TESTED['megatron-core']})" in record.getMessage()
+    assert f"megatron-core 0.21.0 is untested (tested: {compat.tested('megatron-core')})" in record.getMessage()
     assert ("INMEM_FT_ALLOW_UNTESTED=1" if how == "env" else '"allow_untested": true') in record.getMessage()
 
 
@@ -91,8 +93,8 @@ def test_package_extras_declare_the_tested_ranges():
     tomllib = pytest.importorskip("tomllib")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
-    assert f"deepspeed{compat.TESTED['deepspeed']}" in extras["deepspeed"]
-    assert f"megatron-core{compat.TESTED['megatron-core']}" in extras["megatron"]
+    assert compat.requirement("deepspeed") in extras["deepspeed"]
+    assert compat.requirement("megatron-core") in extras["megatron"]
 
 
 def matrix_results():
@@ -112,8 +114,9 @@ def test_readme_and_docs_tables_are_what_the_matrix_results_give():
 def test_tested_ranges_start_at_the_oldest_release_the_matrix_passed(framework):
     passed = [r[framework] for r in matrix_results().values() if r["failed"] == 0 and r[framework]]
     assert passed and all(compat.is_tested(framework, v) for v in passed)
-    lower = next(s.version for s in SpecifierSet(compat.TESTED[framework]) if s.operator == ">=")
-    assert min(map(Version, passed)) == Version(lower)
+    floors = {Version(s.version) for series in compat.TESTED[framework] for s in SpecifierSet(series)
+              if s.operator == ">="}
+    assert {min(v for v in map(Version, passed) if (v.major, v.minor) == (f.major, f.minor)) for f in floors} == floors
 
 
 def test_the_newest_combination_is_constraints_txt():

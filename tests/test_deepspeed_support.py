@@ -13,9 +13,9 @@ BUILD = textwrap.dedent("""
     from deepspeed.moe.layer import MoE
     from deepspeed.pipe import PipelineModule
     from inmem_ft.errors import ConfigError
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install, support
+    from inmem_ft.integrations.deepspeed import cpu_setup, install, support
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
 

@@ -197,10 +197,10 @@ UNMARKED = textwrap.dedent("""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
     from inmem_ft.errors import ConfigError
     from inmem_ft.examples.deepspeed_tp import GPT, ModelParallelUnit
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
     torch.set_num_threads(1)
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     mpu = ModelParallelUnit(PipeModelDataParallelTopology(1, 2, 1))
     torch.manual_seed(0)

@@ -15,9 +15,9 @@ DS_SCRIPT = textwrap.dedent("""
     import json, os, sys
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import torch, deepspeed
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     x = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
 

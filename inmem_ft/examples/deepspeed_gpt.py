@@ -223,9 +223,9 @@ def main() -> None:
     inmem_ft.log_to_stderr()  # snapshot and restore lines, with the [inmem_ft] prefix, in each rank's log
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
     import deepspeed
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
     if args.config:

@@ -119,9 +119,9 @@ def main() -> None:
     inmem_ft.log_to_stderr()
     torch.set_num_threads(1)
     import deepspeed
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     micro = args.global_batch // world if args.global_batch else MICRO_BATCH

@@ -99,9 +99,9 @@ def main() -> None:
     inmem_ft.log_to_stderr()
     torch.set_num_threads(1)
     import deepspeed
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
     # one optimizer step is MICRO_BATCHES micro-batches through the stages

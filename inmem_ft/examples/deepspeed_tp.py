@@ -237,9 +237,9 @@ def main() -> None:
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from inmem_ft.integrations.deepspeed import disable_cpu_shm_comm, install
+    from inmem_ft.integrations.deepspeed import cpu_setup, install
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = max(args.pp, 1)

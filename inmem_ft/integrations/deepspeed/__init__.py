@@ -17,21 +17,26 @@ def initialize(*args, **kwargs):
     """
     import deepspeed
 
-    disable_cpu_shm_comm()
+    cpu_setup()
     out = deepspeed.initialize(*args, **kwargs)
     out[0].inmem_ft = install(out[0])
     return out
 
 
-def disable_cpu_shm_comm() -> None:
-    """On CPU, keep DeepSpeed from JIT-compiling deepspeed_shm_comm (70-120 s), which training never uses
-    (docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"). Call before deepspeed.initialize/init_distributed."""
+def cpu_setup() -> None:
+    """On CPU, what DeepSpeed needs to train there: no JIT build of deepspeed_shm_comm (70-120 s), which training
+    never uses (docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"), and on releases before 0.19 a ZeRO-1/2
+    step that gloo can finish (versions.gloo_all_gather_without_autograd). Call before
+    deepspeed.initialize/init_distributed; on a GPU it does nothing."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cpu":
         import deepspeed.ops
 
+        from . import versions
+
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        versions.gloo_all_gather_without_autograd()
 
 
-__all__ = ["install", "initialize", "Handle", "Restored", "disable_cpu_shm_comm"]
+__all__ = ["install", "initialize", "Handle", "Restored", "cpu_setup"]

@@ -44,3 +44,22 @@ def plain(state_dict: dict) -> dict:
 def loaded(state_dict: dict) -> dict:
     """A copy of a restored file's state dict as DeepSpeed saved it: plain()'s lists as sets again."""
     return {**state_dict, **{k: set(state_dict[k]) for k in _SETS if isinstance(state_dict.get(k), list)}}
+
+
+def gloo_all_gather_without_autograd() -> None:
+    """Before 0.19, ZeRO-1/2's flat parameter buffers keep the autograd history of the torch.cat that built them
+    (0.19 detaches them). Each step ends with an all-gather into views of those buffers: NCCL writes the buffer
+    itself, but gloo writes through the outputs of a split, which autograd refuses in grad mode ("Output 0 of
+    Split is a view and is being modified inplace", plain DeepSpeed 0.18.9 on gloo: tests/compat/plain_zero_step.py).
+    Runs that all-gather without autograd, which is what 0.19's detached buffers amount to."""
+    import deepspeed
+    import deepspeed.runtime.utils as ds_utils
+    import torch
+    from packaging.version import Version
+
+    gather = ds_utils.all_gather_into_tensor_dp_groups
+    if Version(deepspeed.__version__).release >= (0, 19) or getattr(gather, "_inmem_ft_no_grad", False):
+        return
+    gather = torch.no_grad()(gather)
+    gather._inmem_ft_no_grad = True
+    ds_utils.all_gather_into_tensor_dp_groups = gather  # all_gather_dp_groups looks it up in the module
