@@ -9,8 +9,9 @@ destroyed while the interpreter lives has its threads joined first (~ProcessGrou
 `run_main(main)` runs a script's main function and then, on every path (return, exception, sys.exit):
 
 1. inmem_ft's own groups are destroyed (what Snapshotter.close does; the atexit handler would do it later);
-2. every process group is destroyed (torch.distributed.destroy_process_group: local for gloo, no collective, so
-   it cannot wait on a peer that is gone or mid-collective);
+2. every process group is destroyed (torch.distributed.destroy_process_group: local for gloo, no collective;
+   but ~ProcessGroupGloo joins the group's worker threads, and one still in a collective waits for its peers or
+   the group's timeout, so the destroy is bounded: bounded());
 3. the exception's traceback is printed and dropped, and a collection run, so the frames it held (a DeepSpeed
    engine and the group handles it keeps) let the groups go now, while the interpreter lives;
 4. if a gloo worker thread is still alive after that (a group something else still holds), the process ends
@@ -25,7 +26,14 @@ import gc
 import logging
 import os
 import sys
+import threading
 import traceback
+
+log = logging.getLogger("inmem_ft.teardown")
+# Destroying a gloo group takes milliseconds: it is local. One that takes longer waits on something outside this
+# rank (a group's worker thread still in a collective, or a connection held up by a peer), which may not end
+# before the group's own timeout: the exit goes on.
+DESTROY_TIMEOUT_S = 30.0
 
 
 def gloo_threads() -> int:
@@ -50,7 +58,30 @@ def destroy_process_groups() -> None:
 
     agreement.destroy_all()
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        bounded(dist.destroy_process_group, "the world process group", dist.get_rank())
+
+
+def bounded(destroy, what: str, rank: int) -> None:
+    """Run `destroy()` on a thread of its own, waiting at most DESTROY_TIMEOUT_S, and raise what it raised.
+    ~ProcessGroupGloo runs without the GIL, so a destroy that cannot end holds up nothing but that daemon thread;
+    the rank goes on to exit and says so in one line (run_main then ends the process with os._exit, as it does
+    for any gloo thread left)."""
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            destroy()
+        except BaseException as e:  # raised in the caller's thread below
+            failed.append(e)
+
+    worker = threading.Thread(target=run, name="inmem_ft-destroy", daemon=True)
+    worker.start()
+    worker.join(DESTROY_TIMEOUT_S)
+    if worker.is_alive():
+        log.warning("teardown rank=%d event=teardown_stuck: destroying %s did not end in %.0f s; exiting without "
+                    "waiting for it", rank, what, DESTROY_TIMEOUT_S)
+    elif failed:
+        raise failed[0]
 
 
 def _code_of(exit: SystemExit) -> int:

@@ -380,10 +380,10 @@ def test_our_gloo_groups_are_destroyed_on_close_and_on_an_error_exit(job, runtim
 
 STUCK_DESTROY = """
 import sys, time, torch, torch.distributed as dist
-from inmem_ft.capture import agreement
+from inmem_ft import teardown
 from inmem_ft.teardown import run_main
 
-agreement.DESTROY_TIMEOUT_S = 2.0
+teardown.DESTROY_TIMEOUT_S = 2.0
 
 def main():
     import inmem_ft
@@ -403,7 +403,7 @@ run_main(main)
 
 
 def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(job, runtime):
-    """The snapshot agreement's gloo group is destroyed at close with a bound (agreement.DESTROY_TIMEOUT_S): where
+    """The snapshot agreement's gloo group is destroyed at close with a bound (teardown.DESTROY_TIMEOUT_S): where
     the destroy waits on a peer (here a collective of the group that the other rank never joins), the rank says
     so in one line and exits with its own code, long before the group's timeout."""
     with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
@@ -415,6 +415,46 @@ def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(
         assert closed < other - 30, log  # not when rank 1 closed, nor at the group's timeout
         [line] = [line for line in log.splitlines() if "event=teardown_stuck" in line]
         assert "did not end in 2 s" in line and "closed" in log
+
+
+STUCK_WORLD_DESTROY = """
+import os, time, torch, torch.distributed as dist
+from datetime import timedelta
+from inmem_ft import teardown
+from inmem_ft.teardown import run_main
+
+teardown.DESTROY_TIMEOUT_S = 2.0
+
+def main():
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() == 0:  # a collective of the world that rank 1 never joins: the world's worker waits in it
+        dist.all_reduce(torch.ones(3), async_op=True)
+        return  # run_main destroys the world: ~ProcessGroupGloo joins that worker, up to the group's 120 s timeout
+    start = time.time()
+    while os.path.exists(f"/proc/{pids[0]}") and open(f"/proc/{pids[0]}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        if time.time() - start > 100:
+            break
+        time.sleep(0.1)
+    print(f"rank 0 ended after {time.time() - start:.1f} s", flush=True)
+
+run_main(main)
+"""
+
+
+def test_a_destroy_of_the_world_group_that_cannot_end_is_bounded_and_said_in_one_line(job, runtime):
+    """teardown.run_main destroys the world group with the same bound as the agreement's groups: where the destroy
+    waits on a peer (a collective of the world that the other rank never joins), the rank says so in one line and
+    exits with its own code, long before the group's timeout."""
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", STUCK_WORLD_DESTROY], timeout_s=300)
+        log = cluster.rank_log(attempt.number, 0)
+        assert attempt.ok, (log, cluster.rank_log(attempt.number, 1))
+        ended = float(re.search(r"rank 0 ended after ([\d.]+) s", cluster.rank_log(attempt.number, 1)).group(1))
+        assert ended < 30, ended  # not at the group's 120 s timeout
+        [line] = [line for line in log.splitlines() if "event=teardown_stuck" in line]
+        assert "destroying the world process group did not end in 2 s" in line, line
 
 
 RUN_MAIN = """

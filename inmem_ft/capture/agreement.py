@@ -21,13 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .. import teardown
 from ..errors import InmemFTError
 
 log = logging.getLogger("inmem_ft.capture")
-# Destroying a gloo group of ours takes milliseconds: it is local, and close() runs once no collective of ours is
-# in flight here. One that takes longer waits on something outside this rank (a group's worker thread or a
-# connection still held up by a peer), which may not end before the group's own timeout: the exit goes on.
-DESTROY_TIMEOUT_S = 30.0
 _made: list = []  # every group an Agreement made and no close destroyed yet (torch's registry holds them anyway)
 _open: "weakref.WeakSet[Agreement]" = weakref.WeakSet()  # Agreements not closed: they hold references too
 _made_lock = threading.Lock()
@@ -74,10 +71,8 @@ def destroy_group(group) -> None:
 
 
 def destroy_bounded(groups: list, rank: int) -> None:
-    """Destroy `groups` (emptying the list: the caller's references go with it) on a thread of their own, waiting
-    at most DESTROY_TIMEOUT_S. ~ProcessGroupGloo runs without the GIL, so a destroy that cannot end holds up
-    nothing but that daemon thread; the rank goes on to exit and says so in one line (teardown.run_main then
-    ends the process with os._exit, as it does for any gloo thread left)."""
+    """Destroy `groups` (emptying the list: the caller's references go with it) within teardown.bounded's time:
+    close() runs once no collective of ours is in flight here, so a destroy that takes longer waits on a peer."""
     def destroy():
         while groups:
             try:
@@ -85,12 +80,7 @@ def destroy_bounded(groups: list, rank: int) -> None:
             except Exception as e:  # exiting anyway: the rank's own error and exit code are what count
                 log.warning("snapshot rank=%d event=teardown_failed: %s: %s", rank, type(e).__name__, e)
 
-    worker = threading.Thread(target=destroy, name="inmem_ft-destroy", daemon=True)
-    worker.start()
-    worker.join(DESTROY_TIMEOUT_S)
-    if worker.is_alive():
-        log.warning("snapshot rank=%d event=teardown_stuck: destroying the snapshot agreement's gloo group did "
-                    "not end in %.0f s; exiting without waiting for it", rank, DESTROY_TIMEOUT_S)
+    teardown.bounded(destroy, "the snapshot agreement's gloo group", rank)
 
 
 class Agreement:
