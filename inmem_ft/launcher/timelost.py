@@ -41,7 +41,7 @@ class Restart:
     failed_at: float | None  # None: a rank that stopped by itself, at a moment nobody saw
     detected_at: float
     stopped_at: float
-    reached: int | None  # the newest step in the loss log before the failure
+    reached: int | None  # the newest step the failed attempt's ranks beat at before the failure
     failed_note: str = ""
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
@@ -78,9 +78,10 @@ def _latest(values: dict[int, float | None], what: str) -> tuple[float | None, s
     return max(values.values()), ""
 
 
-def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], end_note: str = "") -> dict:
-    """The split of one restart. `losses`: the loss log's records so far; `end_note` says why training is not
-    back yet when it is not (the run ended, the restart failed too)."""
+def measure(restart: Restart, ranks: dict[int, RankReport], back: list[dict], end_note: str = "") -> dict:
+    """The split of one restart. `back`: (step, time) records of the restart's own ranks (the agent's clock takes
+    them from the heartbeats of the processes it runs now, so a late beat of the failed attempt is never one);
+    `end_note` says why training is not back yet when it is not (the run ended, the restart failed too)."""
     records = {r: rep.record or {} for r, rep in ranks.items()}
     bounds: list[float | None] = [restart.failed_at, restart.detected_at, restart.stopped_at, restart.launched_at]
     notes = [restart.failed_note, "", "", "" if restart.launched_at else "the job was not restarted"]
@@ -97,8 +98,8 @@ def measure(restart: Restart, ranks: dict[int, RankReport], losses: list[dict], 
         notes.append(note + " (no snapshot restored, or the rank's log has no `restore rank=... seconds=` line: "
                             "inmem_ft.log_to_stderr())" if note else "")
     restored_step = max(restored) if len(restored) == 1 else None
-    back, back_note = _back(restart, losses, restored_step, bounds[-1], end_note)
-    bounds.append(back)
+    back_at, back_note = _back(restart, back, restored_step, bounds[-1], end_note)
+    bounds.append(back_at)
     notes.append(back_note)
     parts, total = _parts(bounds, notes, PARTS)
     slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
@@ -132,16 +133,16 @@ def _start(record: dict, launched_at: float | None) -> str:
     return "standby" if launched_at is None or record["ready"] <= launched_at else "standby still importing"
 
 
-def _back(restart: Restart, losses: list[dict], restored_step: int | None, restore_end: float | None,
+def _back(restart: Restart, back: list[dict], restored_step: int | None, restore_end: float | None,
           end_note: str) -> tuple[float | None, str]:
     if restart.launched_at is None:
         return None, end_note
     if restart.reached is None:
-        return None, ("the loss log had no step before the failure (the command does not call "
-                      "inmem_ft.report_loss, or failed before its first step)")
+        return None, ("no rank had beaten before the failure (the command does not call Snapshotter.maybe_save "
+                      "or Snapshotter.heartbeat, or failed before its first step)")
     if restored_step is not None and restored_step >= restart.reached and restore_end is not None:
         return restore_end, ""  # restored a step at or past the one reached: nothing to compute again
-    again = next((rec["time"] for rec in losses
+    again = next((rec["time"] for rec in back
                   if rec["time"] > restart.launched_at and rec["step"] >= restart.reached), None)
     if again is None:
         return None, end_note or f"training is not back at step {restart.reached} yet"
