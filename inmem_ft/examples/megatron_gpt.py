@@ -234,7 +234,9 @@ def run(cfg) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    # by keyword: 0.18 takes model_provider third, 0.19 fifth
+    pretrain(cfg, train_valid_test_dataset_provider=datasets_provider, model_provider=model_provider,
+             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
 
 
 def main() -> None:
