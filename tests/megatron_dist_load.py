@@ -1,4 +1,4 @@
-"""Stand-alone: stock Megatron-Core 0.19.2 `pretrain()` with `--load DIR` (dist_checkpointing, torch_dist), on
+"""Stand-alone: stock Megatron-Core `pretrain()` with `--load DIR` (dist_checkpointing, torch_dist), on
 the layout its arguments give, on CPU through tests/megatron_cpu_shim.py. Right after Megatron's load it
 compares every model ShardedTensor and every optimizer-state ShardedTensor the rank holds with the same box of
 a ground-truth file of global tensors, then lets training go on to --train-iters. Never imports inmem_ft.
@@ -139,7 +139,8 @@ def main() -> None:
         return stock_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **kw)
 
     training.setup_model_and_optimizer, training.training_log = checked_setup, training_log
-    pretrain(cfg, datasets, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    pretrain(cfg, train_valid_test_dataset_provider=datasets, model_provider=model_provider,
+             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
     counts = torch.tensor([out["model_checked"], out["optimizer_checked"], len(out["mismatched"])])
     torch.distributed.all_reduce(counts)
     if torch.distributed.get_rank() == 0:

@@ -1,5 +1,5 @@
 """Issue 10, item 2 (Megatron): a Megatron-Core job back on another TP/PP/DP layout resumes from the old
-layout's snapshots in memory. megatron-core 0.19.2's own pretrain() on CPU (gloo, tests/megatron_cpu_shim.py),
+layout's snapshots in memory. megatron-core's own pretrain() on CPU (gloo, tests/megatron_cpu_shim.py),
 the distributed optimizer, real SMPs. Each rank dumps its model-space pieces at iteration STEP (the source
 right after training it, the new layout right after loading it): the global tensors assembled from them,
 every parameter, fp32 master and Adam moment, are bit-identical; the iteration, consumed samples, scheduler

@@ -5,12 +5,16 @@ save_checkpoint makes them.
 - 0.19 resolves the checkpoint's process groups from the model's ProcessGroupCollection and hands them to
   get_rng_state, maybe_save_dataloader_state and the tensor-aware state dict; force_param_sync takes the
   optimizer too. 0.18's save_checkpoint uses Megatron's global (mpu) groups and takes no groups in those calls.
+- A torch_dist checkpoint's common state (args, iteration, scheduler, ...): 0.19 keeps it among the shards as the
+  ShardedObject `common_state`; 0.18 in `common.pt` beside them, the file its loader reads (common_state_file).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 from typing import Any
+
+from packaging.version import Version
 
 
 @functools.cache
@@ -73,3 +77,9 @@ def save_dataloader_state(iterator, iteration: int, args, groups: Groups) -> Non
     else:
         checkpointing.maybe_save_dataloader_state(iterator, iteration, path, tp_group=groups.tp,
                                                   pp_group=groups.pp, dp_group=groups.dp)
+
+
+def common_state_file(version: str) -> str | None:
+    """The file of a torch_dist checkpoint directory that holds the common state, for megatron-core `version`
+    where it keeps it in one (0.18's save_common: torch.save of the dict); None where it is a ShardedObject."""
+    return "common.pt" if Version(version).release[:2] < (0, 19) else None
