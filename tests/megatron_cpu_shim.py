@@ -1,4 +1,4 @@
-"""Test-only: lets megatron-core 0.18.2 and 0.19.2 train on a CPU-only machine (gloo, --transformer-impl local).
+"""Test-only: lets megatron-core 0.17.1, 0.18.2 and 0.19.2 train on a CPU-only machine (gloo, --transformer-impl local).
 
 Import it before anything imports megatron. Megatron assumes CUDA everywhere (factory calls with
 device='cuda' or torch.cuda.current_device(), .cuda(), CUDA RNG states, streams, events); this module

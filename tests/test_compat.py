@@ -35,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("megatron-core", "0.19.1", False),
     ("megatron-core", "0.18.2", True),  # the 0.18 series, from its tested release
     ("megatron-core", "0.18.1", False),
-    ("megatron-core", "0.17.1", False),
+    ("megatron-core", "0.17.1", True),  # the 0.17 series
+    ("megatron-core", "0.17.0", False),
     ("megatron-core", "0.20.0", False),
 ])
 def test_tested_ranges(framework, version, tested):

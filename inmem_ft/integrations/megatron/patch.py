@@ -1,6 +1,6 @@
-"""Every change this adapter makes to Megatron, in one place. All are tied to megatron-core 0.19.2 and its
-patch releases (check_version refuses others, per inmem_ft.compat); each says why the stock code cannot do
-without it.
+"""Every change this adapter makes to Megatron, in one place. All are tied to the megatron-core releases of
+inmem_ft.compat.TESTED (check_version refuses others), the calls that differ between them made through
+versions.py; each says why the stock code cannot do without it.
 """
 from __future__ import annotations
 
