@@ -160,5 +160,6 @@ def save_dataloader_state(iterator, iteration: int, args, groups: Groups) -> Non
 
 def common_state_file(version: str) -> str | None:
     """The file of a torch_dist checkpoint directory that holds the common state, for megatron-core `version`
-    where it keeps it in one (0.17's and 0.18's save_common: torch.save of the dict); None where it is a ShardedObject."""
+    where it keeps it in one (0.17's and 0.18's save_common: torch.save of the dict); None where it is a
+    ShardedObject among the shards."""
     return "common.pt" if Version(version).release[:2] < (0, 19) else None
