@@ -17,7 +17,7 @@ from .errors import ConfigError
 # next minor. The patch releases between two series' tested ones (0.18.0 to 0.18.8, say) were not run: refused.
 TESTED = {
     "deepspeed": (">=0.18.9,<0.19", ">=0.19.8,<0.20"),
-    "megatron-core": (">=0.19.2,<0.20",),
+    "megatron-core": (">=0.17.1,<0.18", ">=0.18.2,<0.19", ">=0.19.2,<0.20"),
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'

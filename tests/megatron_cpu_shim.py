@@ -1,4 +1,4 @@
-"""Test-only: lets megatron-core 0.19.2 train on a CPU-only machine (gloo, --transformer-impl local).
+"""Test-only: lets megatron-core 0.17.1, 0.18.2 and 0.19.2 train on a CPU-only machine (gloo, --transformer-impl local).
 
 Import it before anything imports megatron. Megatron assumes CUDA everywhere (factory calls with
 device='cuda' or torch.cuda.current_device(), .cuda(), CUDA RNG states, streams, events); this module
@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
+import re
 import sys
 import types
 import typing
@@ -147,16 +151,51 @@ def _patch_data_loader() -> None:
     torch.utils.data.DataLoader.__init__ = __init__
 
 
+# The modules that define the MoE paged-stash kernels (0.18: with the stash's Python code; 0.19: on their own)
+# import triton at module level, and the modules every GPT imports import them. A GPT without MoE never runs them.
+_TRITON_KERNEL_MODULES = ("megatron.core.transformer.moe.paged_stash", "megatron.core.transformer.moe.ops.paged_stash")
+_TRITON_IMPORTS = re.compile(r"^import triton(?:\.language as tl)?$", re.M)
+
+
+class _Kernel:
+    """A @triton.jit kernel without triton: defined, but launching it says why it cannot run."""
+
+    def __init__(self, fn):
+        self.name = fn.__name__
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"megatron_cpu_shim: {self.name} is a triton kernel (MoE paged stash): not on the CPU")
+
+
+_TRITON = types.SimpleNamespace(jit=_Kernel, language=types.SimpleNamespace(constexpr=object))
+
+
+class _KernelsWithoutTriton(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Loads the modules above with a stand-in triton (jit and tl.constexpr, all their definitions need) given to
+    them alone: the rest of Megatron still finds no triton and takes its paths without it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _TRITON_KERNEL_MODULES or importlib.util.find_spec("triton") is not None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None:
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        with open(module.__spec__.origin) as f:
+            source = _TRITON_IMPORTS.sub("pass", f.read())  # same line numbers in tracebacks
+        module.triton, module.tl = _TRITON, _TRITON.language
+        exec(compile(source, module.__spec__.origin, "exec"), module.__dict__)
+
+
 def _stand_in_modules() -> None:
     if not hasattr(typing, "override"):  # megatron.training.models uses the Python 3.12 decorator
         typing.override = lambda f: f
-    # The MoE paged-stash kernels import triton at module level; GPT without MoE never calls them.
-    name = "megatron.core.transformer.moe.ops.paged_stash"
-    mod = types.ModuleType(name)
-    mod.GLOBAL_BLOCK_SIZE = 1024
-    mod.paged_stash_copy_kernel = mod.paged_stash_pop_kernel = None
-    mod.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    sys.modules[name] = mod
+    sys.meta_path.insert(0, _KernelsWithoutTriton())
 
 
 def _patch_megatron() -> None:

@@ -1,4 +1,4 @@
-"""Stand-alone: stock Megatron-Core 0.19.2 `pretrain()` with `--load DIR` (dist_checkpointing, torch_dist), on
+"""Stand-alone: stock Megatron-Core `pretrain()` with `--load DIR` (dist_checkpointing, torch_dist), on
 the layout its arguments give, on CPU through tests/megatron_cpu_shim.py. Right after Megatron's load it
 compares every model ShardedTensor and every optimizer-state ShardedTensor the rank holds with the same box of
 a ground-truth file of global tensors, then lets training go on to --train-iters. Never imports inmem_ft.
@@ -109,12 +109,15 @@ def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.core.utils import unwrap_model
     from megatron.training import get_args, pretrain, training
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
 
     sys.argv = [sys.argv[0], *argv]
-    args = parse_and_validate_args(args_defaults={})
-    cfg = pretrain_cfg_container_from_args(args, None)
+    try:  # from 0.18 the entry script parses the arguments and hands pretrain() a config built from them
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+    except ImportError:  # 0.17: pretrain() parses them itself
+        cfg = ()
+    else:
+        cfg = (pretrain_cfg_container_from_args(parse_and_validate_args(args_defaults={}), None),)
     truth = torch.load(truth_path, weights_only=True)
     out = {}
     setup = training.setup_model_and_optimizer
@@ -139,7 +142,8 @@ def main() -> None:
         return stock_log(loss_dict, total_loss_dict, learning_rate, iteration, *a, **kw)
 
     training.setup_model_and_optimizer, training.training_log = checked_setup, training_log
-    pretrain(cfg, datasets, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    pretrain(*cfg, train_valid_test_dataset_provider=datasets, model_provider=model_provider,
+             model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
     counts = torch.tensor([out["model_checked"], out["optimizer_checked"], len(out["mismatched"])])
     torch.distributed.all_reduce(counts)
     if torch.distributed.get_rank() == 0:

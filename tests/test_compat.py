@@ -33,7 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("megatron-core", "0.19.5", True),
     ("megatron-core", "0.19.3+git1a2b3c", True),
     ("megatron-core", "0.19.1", False),
-    ("megatron-core", "0.18.2", False),
+    ("megatron-core", "0.18.2", True),  # the 0.18 series, from its tested release
+    ("megatron-core", "0.18.1", False),
+    ("megatron-core", "0.17.1", True),  # the 0.17 series
+    ("megatron-core", "0.17.0", False),
     ("megatron-core", "0.20.0", False),
 ])
 def test_tested_ranges(framework, version, tested):

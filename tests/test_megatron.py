@@ -1,4 +1,4 @@
-"""Megatron-Core with --inmem-ft, for real: megatron-core 0.19.2's own pretrain() loop on CPU (gloo, through
+"""Megatron-Core with --inmem-ft, for real: megatron-core's own pretrain() loop on CPU (gloo, through
 tests/megatron_cpu_shim.py), several processes, a real SMP. A rank is killed with SIGKILL mid-run; the
 restarted job resumes from memory and every iteration's loss and grad norm equal the uninterrupted run's.
 
@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
 
@@ -64,7 +65,7 @@ def assert_specs_tile_the_model(manifests: list[dict], world_size: int, sizes: d
     covered: dict[str, list] = {}
     for m in manifests:
         topo = m["topology"]
-        assert topo["framework"] == "megatron" and topo["framework_version"] == "0.19.2"
+        assert topo["framework"] == "megatron" and topo["framework_version"] == version("megatron-core")
         assert {k: topo[k] for k in sizes} == sizes and topo["position"]["iteration"] == m["step"]
         assert sum(len(g["keys"]) for g in topo["optimizer"]["param_groups"]) > 0
         for leaf in m["leaves"]:

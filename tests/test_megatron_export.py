@@ -1,5 +1,5 @@
 """Issue 10, item 3: `inmem-ft export --format megatron-dist` writes a Megatron snapshot held in memory as the
-torch_dist checkpoint Megatron's `--load` reads, and stock Megatron-Core 0.19.2 (`pretrain()` in a fresh
+torch_dist checkpoint Megatron's `--load` reads, and stock Megatron-Core (`pretrain()` in a fresh
 process that never imports inmem_ft, tests/megatron_dist_load.py) loads it on another TP layout: the same
 iteration and consumed samples, every model and Adam ShardedTensor bit-identical to the snapshot's global
 tensors, and training goes on. `--from DIR` exports the same step from the SMP's disk spill, with no SMP

@@ -1,5 +1,5 @@
 """Issue 10, item 2 (Megatron): a Megatron-Core job back on another TP/PP/DP layout resumes from the old
-layout's snapshots in memory. megatron-core 0.19.2's own pretrain() on CPU (gloo, tests/megatron_cpu_shim.py),
+layout's snapshots in memory. megatron-core's own pretrain() on CPU (gloo, tests/megatron_cpu_shim.py),
 the distributed optimizer, real SMPs. Each rank dumps its model-space pieces at iteration STEP (the source
 right after training it, the new layout right after loading it): the global tensors assembled from them,
 every parameter, fp32 master and Adam moment, are bit-identical; the iteration, consumed samples, scheduler
@@ -31,9 +31,10 @@ if importlib.util.find_spec("megatron") is None:  # not importorskip: importing 
 STEP, ITERS = 3, 4  # the snapshot resharded, the last iteration trained
 LOSS_RTOL = 1e-5
 # Layout-independent shapes and batches: one sample per micro-batch (gbs 4 fits DP 1..4), the padded
-# vocabulary the same at TP 1 and 2, no dropout.
-COMMON = ["--use-distributed-optimizer", "--micro-batch-size", "1", "--hidden-dropout", "0",
-          "--attention-dropout", "0", "--make-vocab-size-divisible-by", "32", "--train-iters", str(ITERS),
+# vocabulary the same at TP 1 and 2 (128: megatron-core 0.17's NullTokenizer adds an end-of-document token to
+# --vocab-size, 0.18's and 0.19's count it in), no dropout.
+COMMON = ["--use-distributed-optimizer", "--micro-batch-size", "1", "--hidden-dropout", "0", "--attention-dropout",
+          "0", "--vocab-size", "127", "--make-vocab-size-divisible-by", "32", "--train-iters", str(ITERS),
           "--inmem-ft", "--inmem-ft-interval", str(STEP)]
 
 

@@ -218,23 +218,23 @@ def prepare(argv: list[str]):
     inmem_ft.telemetry.log_to_stderr()  # Megatron configures the root logger itself
     torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
 
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-
     from inmem_ft.integrations import megatron as inmem_megatron
+    from inmem_ft.integrations.megatron import versions  # megatron-core 0.17 builds pretrain()'s config itself
 
     sys.argv = [sys.argv[0], *megatron_argv]
-    args = parse_and_validate_args(extra_args_provider=inmem_megatron.add_args, args_defaults={})
-    cfg = pretrain_cfg_container_from_args(args, None)
+    args = versions.parse_and_validate_args(extra_args_provider=inmem_megatron.add_args)
+    cfg = versions.pretrain_config(args)
     handle = inmem_megatron.install(args)  # the one inmem_ft line (None without --inmem-ft)
     return args, cfg, handle, own
 
 
 def run(cfg) -> None:
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
 
-    pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    from inmem_ft.integrations.megatron import versions
+
+    versions.pretrain(cfg, train_valid_test_dataset_provider=datasets_provider, model_provider=model_provider,
+                      model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step)
 
 
 def main() -> None:

@@ -4,11 +4,13 @@
     <out>/iter_XXXXXXX/metadata.json            {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     <out>/iter_XXXXXXX/.metadata                torch.distributed.checkpoint metadata
     <out>/iter_XXXXXXX/__0_<n>.distcp           one file per global tensor or object
+    <out>/iter_XXXXXXX/common.pt                the common state, for megatron-core 0.18
 
-What megatron-core 0.19.2's `dist_checkpointing.save` writes: every ShardedTensor key as one global tensor
+What megatron-core's `dist_checkpointing.save` writes: every ShardedTensor key as one global tensor
 (its `global_shape`, prepended layer axes included), every ShardedObject as the bytes of `torch.save([data])`
 under its `unique_key` (`<key>/shard_<offset>_<shape>`), and the common state (args, iteration, scheduler,
-optimizer param groups, content metadata) as the ShardedObject `common_state` (0.19.2 writes no common.pt).
+optimizer param groups, content metadata) as the ShardedObject `common_state` (0.19) or in `common.pt` (0.18:
+integrations/megatron/versions.py), as the release that took the snapshot writes it.
 Megatron's load then cuts the boxes its own layout needs from the global tensors, so another TP/PP layout
 loads it too.
 
@@ -110,12 +112,20 @@ def _pickled(value) -> io.BytesIO:
 def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     """Writes the checkpoint under `out`, one global tensor at a time (`bar`: a tqdm); returns (the iteration
     directory, tensors, bytes)."""
+    from ..integrations.megatron import versions
+
     iteration, common, objects, tensors = plan(src)
     it_dir = iteration_dir(out, iteration)
     if os.path.exists(it_dir):
         raise InmemFTError(f"{it_dir} already exists; remove it or give another --out")
     bar.reset(total=len(tensors))
-    state: dict = {**tensors, COMMON_KEY: _pickled(common), **{k: _pickled(v) for k, v in objects.items()}}
+    common_file = versions.common_state_file(src.topology["framework_version"])  # the release that took it
+    state: dict = {**tensors, **{k: _pickled(v) for k, v in objects.items()}}
+    if common_file is None:
+        state[COMMON_KEY] = _pickled(common)
+    else:
+        os.makedirs(it_dir)
+        torch.save(common, os.path.join(it_dir, common_file))
     planner = _Prepickled(src, bar)
     # One file per item (see dcp.py: torch's writer holds every tensor of a file until the file is done).
     dcp.save(state, storage_writer=FileSystemWriter(it_dir, single_file_per_rank=False, thread_count=1),

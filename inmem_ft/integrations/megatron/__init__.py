@@ -8,6 +8,9 @@
     pretrain(cfg, ...)
     if handle: handle.close()
 
+(on megatron-core 0.17, which has neither parse_and_validate_args nor a pretrain() config, versions.py's
+functions of those names stand in, as examples/megatron_gpt.py uses them.)
+
 Megatron keeps deciding what to save and load: the adapter is its local-checkpoint manager (manager.py),
 driven by `--inmem-ft-interval` through Megatron's non-persistent save interval. Megatron's persistent
 `--save` checkpoints stay stock and remain the disk tier. What is patched, and why: patch.py.

@@ -1,12 +1,13 @@
-"""Every change this adapter makes to Megatron, in one place. All are tied to megatron-core 0.19.2 and its
-patch releases (check_version refuses others, per inmem_ft.compat); each says why the stock code cannot do
-without it.
+"""Every change this adapter makes to Megatron, in one place. All are tied to the megatron-core releases of
+inmem_ft.compat.TESTED (check_version refuses others), the calls that differ between them made through
+versions.py; each says why the stock code cannot do without it.
 """
 from __future__ import annotations
 
 import functools
 
 from ... import compat
+from . import versions
 
 
 def installed_version() -> str:
@@ -127,7 +128,7 @@ def snapshot_without_save_checkpoint(manager_type) -> None:
     barrier, all-gathers the save's time over the ranks to log it, reports memory, prints. Those collectives
     cost 5-20 ms a snapshot on the benchmark box, more than building the state; a snapshot needs none of them
     (the Snapshotter votes on its commit thread). So a non-persistent save with `manager_type` in the context
-    builds the same tensor-aware state dict as 0.19.2's save_checkpoint does for 'local' checkpoints (the same
+    builds the same tensor-aware state dict as save_checkpoint does for 'local' checkpoints (the same
     Megatron calls, in the same order, with the same groups) and hands it to that manager. Persistent saves,
     and any other caller of save_checkpoint, stay stock."""
     from megatron.core import mpu
@@ -147,20 +148,13 @@ def snapshot_without_save_checkpoint(manager_type) -> None:
             return stock(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                          checkpointing_context, non_persistent_ckpt, train_data_iterator)
         if training.should_disable_forward_pre_hook(args):  # as save_checkpoint_and_time: gathered params
-            training.force_param_sync(model, optimizer=optimizer)
-        pgc = getattr(unwrap_model(model)[0], "pg_collection", None)
-        tp_group = getattr(pgc, "tp", None) or mpu.get_tensor_model_parallel_group()
-        pp_group = getattr(pgc, "pp", None) or mpu.get_pipeline_model_parallel_group()
-        dp_group = getattr(pgc, "dp", None)
-        dp_cp_group = getattr(pgc, "dp_cp_gtp_remat", None)
-        rng_state = checkpointing.get_rng_state(args.ckpt_format, tp_group, pp_group, dp_cp_group=dp_cp_group,
-                                                dp_group=dp_group,
-                                                key_prefix=getattr(unwrap_model(model)[0], "rng_state_key_prefix", ""))
+            versions.force_param_sync(model, optimizer)
+        groups = versions.checkpoint_groups(model)
+        rng_state = versions.rng_state(args, groups)
         rerun_state = get_rerun_state_machine().state_dict(data_iterator=train_data_iterator,
                                                             ckpt_format=args.ckpt_format)
-        checkpointing.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None),
-                                                  tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
-        metadata = checkpointing._build_sharded_state_dict_metadata(args, dp_cp_group=dp_cp_group)
+        versions.save_dataloader_state(train_data_iterator, iteration, args, groups)
+        metadata = checkpointing._build_sharded_state_dict_metadata(args, dp_cp_group=groups.dp_cp)
         if metadata.get("distrib_optim_sharding_type") in ("fully_reshardable", "dp_zero_gather_scatter"):
             raise RuntimeError(f"Local checkpointing does not support optimizer sharding type "
                                f"'{metadata['distrib_optim_sharding_type']}'. Don't use "
@@ -173,7 +167,7 @@ def snapshot_without_save_checkpoint(manager_type) -> None:
         cached = checkpointing_context.get("local_checkpoint_cache") if args.ckpt_assume_constant_structure else None
         tasd, cacheable = MCoreTensorAwareStateDict.from_state_dict(
             state_dict, algo=args.non_persistent_local_ckpt_algo, cached_metadata=cached,
-            parallelization_group=dp_cp_group or mpu.get_data_parallel_group(with_context_parallel=True))
+            parallelization_group=groups.dp_cp or mpu.get_data_parallel_group(with_context_parallel=True))
         manager.save(tasd, iteration, is_async=False)  # the commit thread finishes it: nothing to finalize
         checkpointing_context["local_checkpoint_cache"] = cacheable
 
