@@ -114,6 +114,33 @@ def local(param, full: torch.Tensor, mpu) -> torch.Tensor:
         mpu.get_tensor_model_parallel_rank()]
 
 
+def flat_fp32_master(engine, param) -> torch.Tensor:
+    """`param`'s fp32 master as ZeRO-1/2's step reads and updates it: this rank's fragment of the optimizer's flat
+    fp32 partition, all-reduced over the data-parallel group (what safe_get_full_fp32_param gathers)."""
+    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+    mapping = param._hp_mapping
+    if mapping is not None:
+        flat = engine.optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+        at, to = mapping.hp_fragment_address, mapping.lp_fragment_address
+        full.narrow(0, to.start, to.numel).copy_(flat.narrow(0, at.start, at.numel))
+    torch.distributed.all_reduce(full, group=param._dp_group)
+    return full.view_as(param)
+
+
+def fp32_master(engine, param) -> torch.Tensor:
+    """`param`'s fp32 master. Before DeepSpeed 0.19, a ZeRO-1/2 universal load leaves safe_get_full_fp32_param
+    reading the wrong buffer (its map_to_flat_opt_states points each parameter's fp32 fragment at a flattened
+    Adam moment), while the masters the optimizer steps from load right (tests/compat/plain_universal_roundtrip.py):
+    there, read those."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from packaging.version import Version
+
+    if Version(deepspeed.__version__).release < (0, 19) and hasattr(engine.optimizer, "single_partition_of_fp32_groups"):
+        return flat_fp32_master(engine, param)
+    return safe_get_full_fp32_param(param)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--load-dir", required=True)
@@ -128,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import deepspeed
     import deepspeed.ops
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_optimizer_state
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no 70-120 s JIT build on CPU
     deepspeed.init_distributed(dist_backend="gloo")
@@ -157,7 +184,7 @@ def main() -> None:
     checked, mismatched = [], []
     for name, param in engine.module.named_parameters():
         key = key_of(name)
-        got = {f"optimizer.state.fp32_param.{key}": safe_get_full_fp32_param(param)}
+        got = {f"optimizer.state.fp32_param.{key}": fp32_master(engine, param)}
         for kind in ("exp_avg", "exp_avg_sq"):
             got[f"optimizer.state.{kind}.{key}"] = safe_get_full_optimizer_state(param, kind)
         if args.zero_stage < 3 and key in truth:  # the truth of a ZeRO-3 source has no plain weights

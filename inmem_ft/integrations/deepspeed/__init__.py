@@ -25,9 +25,9 @@ def initialize(*args, **kwargs):
 
 def cpu_setup() -> None:
     """On CPU, what DeepSpeed needs to train there: no JIT build of deepspeed_shm_comm (70-120 s), which training
-    never uses (docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"), and on releases before 0.19 a ZeRO-1/2
-    step that gloo can finish (versions.gloo_all_gather_without_autograd). Call before
-    deepspeed.initialize/init_distributed; on a GPU it does nothing."""
+    never uses (docs/design.md, "How the DeepSpeed adapter hooks DeepSpeed"), and on 0.18 a ZeRO-1/2 step that gloo
+    can finish (versions.gloo_all_gather_without_autograd). Call before deepspeed.initialize/init_distributed; on a
+    GPU it does nothing."""
     from deepspeed.accelerator import get_accelerator
 
     if get_accelerator().device_name() == "cpu":

@@ -1,6 +1,6 @@
-"""What differs between the DeepSpeed releases the adapter runs on, in one place. The tested range is 0.19
-(inmem_ft.compat.TESTED); with INMEM_FT_ALLOW_UNTESTED=1 these differences let 0.17 and 0.18 save and resume
-through the same code (what the compatibility matrix found on them: docs/compatibility.md).
+"""What differs between the DeepSpeed releases the adapter runs on, in one place: the tested 0.17, 0.18 and 0.19
+series (inmem_ft.compat.TESTED) save and resume through the same code with these (what the compatibility matrix
+found on each: docs/compatibility.md).
 
 - What CheckpointEngine.create() and commit() are handed: from 0.18 a CheckpointCommitInfo (tag, save_dir,
   save_latest) to both; 0.17's save_checkpoint hands it to create() but the bare tag string to commit(); 0.16
@@ -10,7 +10,8 @@ through the same code (what the compatibility matrix found on them: docs/compati
   save(); 0.16/0.17 never ask and always clone, which costs a copy but hands save() the same values.
 - 0.16-0.18 keep the names of the modules with sparse gradients in the model states as a set
   (`sparse_tensor_module_names`; 0.19 dropped the key). A snapshot holds plain data, so plain() stores it as a
-  sorted list and loaded() makes it a set again before DeepSpeed loads it."""
+  sorted list and loaded() makes it a set again before DeepSpeed loads it.
+- 0.18's ZeRO-1/2 step cannot finish on gloo: gloo_all_gather_without_autograd()."""
 from __future__ import annotations
 
 import os
@@ -47,18 +48,19 @@ def loaded(state_dict: dict) -> dict:
 
 
 def gloo_all_gather_without_autograd() -> None:
-    """Before 0.19, ZeRO-1/2's flat parameter buffers keep the autograd history of the torch.cat that built them
-    (0.19 detaches them). Each step ends with an all-gather into views of those buffers: NCCL writes the buffer
-    itself, but gloo writes through the outputs of a split, which autograd refuses in grad mode ("Output 0 of
-    Split is a view and is being modified inplace", plain DeepSpeed 0.18.9 on gloo: tests/compat/plain_zero_step.py).
-    Runs that all-gather without autograd, which is what 0.19's detached buffers amount to."""
+    """0.18's ZeRO-1/2 flat parameter buffers keep the autograd history of the torch.cat that built them (0.17
+    builds them from copies of the parameters' data; 0.19 detaches them). Each step ends with an all-gather into
+    views of those buffers: NCCL writes the buffer itself, but gloo writes through the outputs of a split, which
+    autograd refuses in grad mode ("Output 0 of Split is a view and is being modified inplace", plain DeepSpeed
+    0.18.9 on gloo: tests/compat/plain_zero_step.py). On 0.18, runs that all-gather without autograd, which is
+    what 0.19's detached buffers amount to."""
     import deepspeed
     import deepspeed.runtime.utils as ds_utils
     import torch
     from packaging.version import Version
 
     gather = ds_utils.all_gather_into_tensor_dp_groups
-    if Version(deepspeed.__version__).release >= (0, 19) or getattr(gather, "_inmem_ft_no_grad", False):
+    if Version(deepspeed.__version__).release[:2] != (0, 18) or getattr(gather, "_inmem_ft_no_grad", False):
         return
     gather = torch.no_grad()(gather)
     gather._inmem_ft_no_grad = True
