@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 from ds_harness import free_port
+from inmem_ft import compat
 
 BUILD = textwrap.dedent("""
     import os, sys
@@ -72,7 +73,7 @@ def test_unsupported_deepspeed_layouts_are_refused(runtime):
     assert out.returncode == 0, out.stderr[-3000:]
     said = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.split(":")[0] in
                 {"version", "pipeline_bf16", "tp", "autotp", "moe", "offload"})
-    assert "deepspeed 0.20.0 is not supported (tested: deepspeed>=0.19.8,<0.20)" in said["version"]
+    assert f"deepspeed 0.20.0 is not supported (tested: {compat.tested('deepspeed')})" in said["version"]
     assert "bf16 under a PipelineModule with ZeRO-0" in said["pipeline_bf16"]
     assert "tensor parallelism (size 2) under ZeRO-3 is not supported" in said["tp"]
     assert "DeepSpeed AutoTP training (tensor_parallel.autotp_size 2) is not supported" in said["autotp"]
