@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from packaging.specifiers import SpecifierSet
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -19,6 +21,12 @@ from inmem_ft.compat import TESTED  # noqa: E402
 RESULTS = os.path.join(ROOT, "tests", "compat", "results.json")
 FILES = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "compatibility.md")]
 BEGIN, END = "<!-- BEGIN compat-table -->", "<!-- END compat-table -->"
+
+
+def floors(framework: str) -> str:
+    """The tested series as their first releases: '0.18.9+ or 0.19.8+'."""
+    return " or ".join(next(f"{s.version}+" for s in SpecifierSet(series) if s.operator == ">=")
+                       for series in TESTED[framework])
 
 
 def table(results: dict) -> str:
@@ -31,9 +39,8 @@ def table(results: dict) -> str:
                     f"{r['numpy']} | {outcome} | {r['build_s']} + {r['tests_s']} s | {r['date']}, {r['commit']} |")
     machines = sorted({r["machine"] for r in results.values()})
     return "\n".join([
-        f"The adapters accept DeepSpeed {' or '.join(f'`{s}`' for s in TESTED['deepspeed'])} and megatron-core "
-        f"{' or '.join(f'`{s}`' for s in TESTED['megatron-core'])} "
-        f"(`inmem_ft/compat.py`);",
+        f"The adapters accept DeepSpeed {floors('deepspeed')} and megatron-core {floors('megatron-core')}, "
+        f"within each minor series (`inmem_ft/compat.py`);",
         f"each row is a combination `make test-compat` ran (`tests/compat/results.json`, on {'; '.join(machines)};",
         "build time 0: an existing venv; what failed or was not run, and why: `docs/compatibility.md`):",
         "",

@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("deepspeed", "0.18.8", False),
     ("deepspeed", "0.17.6", True),  # the 0.17 series, from its tested (and last) release
     ("deepspeed", "0.17.5", False),
-    ("deepspeed", "0.16.9", False),
+    ("deepspeed", "0.16.9", True),  # the 0.16 series, from its tested (and last) release
+    ("deepspeed", "0.16.8", False),
     ("deepspeed", "0.20.0", False),
     ("deepspeed", "0.20.0rc1", False),
     ("deepspeed", "not-a-version", False),

@@ -159,7 +159,9 @@ def test_smp_flushes_the_disk_tier_and_memory_gone_resumes_from_it_bit_identical
             assert sorted(os.listdir(disk / job / f"node{node}")) == sorted(slots + ["step8.done", "step12.done"])
         assert json.loads((disk / job / "latest").read_text()) == {"step": 12}
         for r in range(cluster.world_size):  # the disk tier is the SMPs' job: no trainer says a word of it
-            assert "persist" not in cluster.rank_log(attempt.number, r)
+            # (inmem_ft's lines only: DeepSpeed 0.16 prints its config, whose nebula block has persistent_* keys)
+            said = [line for line in cluster.rank_log(attempt.number, r).splitlines() if "[inmem_ft]" in line]
+            assert said and not [line for line in said if "persist" in line]
 
         # The explicit save: stock DeepSpeed's layout and `latest`, loadable without inmem_ft, to the same state.
         assert (stock / "latest").read_text() == "global_step12"

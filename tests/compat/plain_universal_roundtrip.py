@@ -1,8 +1,8 @@
 """Plain DeepSpeed, no inmem_ft: a ZeRO-1/2 checkpoint through DeepSpeed's own ds_to_universal and back, compared with
 what was saved (fp32 masters, weights, Adam moments), then one more step compared with the step the saving run took
 after its save. It tells a DeepSpeed release's universal loader from the adapter's export (docs/compatibility.md:
-after this load, DeepSpeed 0.17.6's safe_get_full_fp32_param reads a wrong buffer while the fp32 masters the
-optimizer steps from, read from its flat partition, come back right).
+after this load, the safe_get_full_fp32_param of DeepSpeed 0.16.9 and 0.17.6 reads a wrong buffer, while the fp32
+masters the optimizer steps from, read from its flat partition, come back right).
 
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 tests/compat/plain_universal_roundtrip.py save DIR [STAGE]
     python -m deepspeed.checkpoint.ds_to_universal --input_folder DIR/global_step3 \\

@@ -1,5 +1,5 @@
-"""What differs between the DeepSpeed releases the adapter runs on, in one place: the tested 0.17, 0.18 and 0.19
-series (inmem_ft.compat.TESTED) save and resume through the same code with these (what the compatibility matrix
+"""What differs between the DeepSpeed releases the adapter runs on, in one place: the tested 0.16, 0.17, 0.18 and
+0.19 series (inmem_ft.compat.TESTED) save and resume through the same code with these (what the compatibility matrix
 found on each: docs/compatibility.md).
 
 - What CheckpointEngine.create() and commit() are handed: from 0.18 a CheckpointCommitInfo (tag, save_dir,
@@ -48,8 +48,8 @@ def loaded(state_dict: dict) -> dict:
 
 
 def gloo_all_gather_without_autograd() -> None:
-    """0.18's ZeRO-1/2 flat parameter buffers keep the autograd history of the torch.cat that built them (0.17
-    builds them from copies of the parameters' data; 0.19 detaches them). Each step ends with an all-gather into
+    """0.18's ZeRO-1/2 flat parameter buffers keep the autograd history of the torch.cat that built them (0.16 and
+    0.17 build them from copies of the parameters' data; 0.19 detaches them). Each step ends with an all-gather into
     views of those buffers: NCCL writes the buffer itself, but gloo writes through the outputs of a split, which
     autograd refuses in grad mode ("Output 0 of Split is a view and is being modified inplace", plain DeepSpeed
     0.18.9 on gloo: tests/compat/plain_zero_step.py). On 0.18, runs that all-gather without autograd, which is
