@@ -1,13 +1,10 @@
 """The trainer's heartbeat (telemetry.Heartbeat): a few stores into a mapped file per beat, read by the agent and
-`inmem-ft launch` through one function (agent/hangs.beats_of), also while its writer is stopped (a hung rank); and
-hangs.dump_and_kill, which kills a rank judged hung only if it did not beat or exit while its stacks were dumped."""
+`inmem-ft launch` through one function (agent/hangs.beats_of), also while its writer is stopped (a hung rank)."""
 import os
 import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 from conftest import ROOT
 from inmem_ft.agent import hangs
@@ -77,46 +74,3 @@ def _wait_stopped(pid: int) -> None:
     while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
         assert time.monotonic() < deadline, f"process {pid} did not stop"
         time.sleep(0.001)
-
-
-RANK = """
-import os, signal, sys, time
-from inmem_ft.telemetry import STACK_SIGNAL, Heartbeat, dump_stacks_on
-dump_stacks_on(STACK_SIGNAL)
-hb = Heartbeat(sys.argv[1], 0)
-if sys.argv[2] == "beats":  # slow, not hung: it beats as soon as it runs again
-    signal.signal(signal.SIGCONT, lambda *_: hb.beat(step=2))
-elif sys.argv[2] == "exits":  # it was finishing
-    signal.signal(signal.SIGCONT, lambda *_: os._exit(0))
-hb.beat(step=1)
-while True:
-    time.sleep(0.01)
-"""
-
-
-@pytest.mark.parametrize("then", ["hangs", "beats", "exits"])
-def test_dump_and_kill_spares_a_rank_that_beat_or_exited_during_the_dump(tmp_path, then):
-    """hangs.dump_and_kill asks a rank judged hung for its stacks (SIGUSR1, then SIGCONT) and kills it, unless its
-    heartbeat advanced or it exited meanwhile: then it was not hung, and it is left alone."""
-    log = tmp_path / "rank0.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), then], stderr=err,
-                                env={**os.environ, "PYTHONPATH": ROOT})
-    try:
-        deadline = time.monotonic() + 60
-        while not (beats := hangs.beats_of(str(tmp_path), {0: proc.pid})):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-        [dump] = hangs.dump_and_kill(beats, {0: str(log)}, str(tmp_path), 10.0).values()
-        assert "File \"<string>\"" in dump.stack, dump  # its own stack, from faulthandler
-        if then == "hangs":
-            assert dump.spared == "" and proc.wait(10) == -signal.SIGKILL
-        elif then == "beats":
-            assert dump.spared == "it beat again (step 2) while its stacks were dumped", dump
-            assert proc.poll() is None
-        else:
-            assert dump.spared == "it exited while its stacks were dumped", dump
-            assert proc.wait(10) == 0
-    finally:
-        proc.kill()
-        proc.wait()

@@ -133,7 +133,7 @@ class InmemAgent(LocalElasticAgent):
             self._refill_standbys(worker_group, beats)
             hung = hangs.stale(beats, time.time(), self.opts.hang_timeout_s) if self.opts.hang_timeout_s else []
             if hung:
-                return self._recover_hang(worker_group, result, beats, hung)
+                return self._recover_hang(worker_group, beats, hung)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._standbys_off_if_they_failed(result)
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
@@ -180,29 +180,22 @@ class InmemAgent(LocalElasticAgent):
         self.standbys.say_when_ready()
 
     # ---- hangs --------------------------------------------------------------------------------------------
-    def _recover_hang(self, worker_group, result: RunResult, beats: dict[int, dict], hung: list[int]) -> RunResult:
+    def _recover_hang(self, worker_group, beats: dict[int, dict], hung: list[int]) -> RunResult:
         """Dump the hung ranks' stacks into their logs and the agent's, kill them, and hand torch an ordinary
-        failed rank (so that a hang past the last restart fails the job, as a crash does). A rank that beat or
-        exited during the dump was not hung: it is not killed, and with none killed training goes on."""
+        failed rank (so that a hang past the last restart fails the job, as a crash does)."""
         now = time.time()
         local = {w.global_rank: w.local_rank for w in worker_group.workers}
         what = ", ".join(f"rank {r} at step {beats[r].get('step', 0)}, last beat {now - beats[r]['time']:.1f} s ago"
                          for r in hung)
+        cause = f"no heartbeat for over {self.opts.hang_timeout_s:g} s from rank(s) {hung} (hung: {what})"
+        self.clock.failed(cause, beats, failed_at=min(beats[r]["time"] for r in hung),
+                          note="a hung rank hangs after its last heartbeat: counted from that beat")
         self.say(f"event=hang ranks={','.join(map(str, hung))} timeout_s={self.opts.hang_timeout_s:g}: {what}")
         logs = self._pcontext.stderrs
-        dumps = hangs.dump_and_kill({r: beats[r] for r in hung}, {r: logs.get(local[r], "") for r in hung},
-                                    self._hb_dir, self.opts.dump_wait_s)
+        stacks = hangs.dump_and_kill({beats[r]["pid"]: logs.get(local[r], "") for r in hung}, self.opts.dump_wait_s)
         for r in hung:
-            stack, spared = dumps[r]
+            stack = stacks[beats[r]["pid"]]
             self.say(f"event=hang_stack rank={r} pid={beats[r]['pid']}:\n{stack or '(no stack came: see its log)'}")
-            if spared:
-                self.say(f"event=hang_spared rank={r} pid={beats[r]['pid']}: not killed: {spared}")
-        killed = [r for r in hung if not dumps[r].spared]
-        if not killed:
-            return result
-        cause = f"no heartbeat for over {self.opts.hang_timeout_s:g} s from rank(s) {killed} (hung: {what})"
-        self.clock.failed(cause, beats, failed_at=min(beats[r]["time"] for r in killed),
-                          note="a hung rank hangs after its last heartbeat: counted from that beat", detected_at=now)
         return self._failed_result(worker_group)
 
     def _failed_result(self, worker_group) -> RunResult:

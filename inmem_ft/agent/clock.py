@@ -30,13 +30,11 @@ class RecoveryClock:
     def pending(self) -> bool:
         return self._restart is not None
 
-    def failed(self, cause: str, beats: dict[int, dict], failed_at: float | None = None, note: str = "",
-               detected_at: float | None = None) -> None:
-        """A failure was detected at `detected_at` (default now); `beats`: the local ranks' last heartbeats (what
-        they had reached)."""
+    def failed(self, cause: str, beats: dict[int, dict], failed_at: float | None = None, note: str = "") -> None:
+        """A failure was detected now; `beats`: the local ranks' last heartbeats (what they had reached)."""
         if self._restart is not None:  # it failed again before training got back
             self._finish(f"the restart failed ({cause}) before training got back to that step")
-        now = time.time() if detected_at is None else detected_at
+        now = time.time()
         reached = max((b.get("step", 0) for b in beats.values()), default=None)
         if failed_at is None and not note:
             note = "when it failed is unknown (it died before its first poll): counted from its detection"

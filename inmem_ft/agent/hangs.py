@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import NamedTuple
 
 from ..telemetry import STACK_SIGNAL, read_heartbeats
 
@@ -27,56 +26,25 @@ def stale(beats: dict[int, dict], now: float, timeout_s: float) -> list[int]:
     return sorted(r for r, b in beats.items() if not b.get("done") and now - b["time"] > timeout_s)
 
 
-class Dump(NamedTuple):
-    stack: str  # what the rank printed when asked for its stacks ("" when nothing came)
-    spared: str  # why it was not killed after all ("" when it was)
-
-
-def dump_and_kill(hung: dict[int, dict], logs: dict[int, str], directory: str, wait_s: float) -> dict[int, Dump]:
-    """Ask the hung ranks (rank -> the beat that judged it hung, rank -> its stderr log) for their stacks
-    (telemetry.dump_stacks_on), let them run to answer (they may be stopped), then SIGKILL them: from here on
-    each is a crashed rank like any other. A stopped rank runs on while it answers: it is killed as soon as its
-    dump is whole (its log stops growing), after `wait_s` at the latest. A rank that beat since it was judged
-    (it was slow, not hung) or exited meanwhile is not killed: killing it would turn a slow step into a failure."""
-    pids = {r: b["pid"] for r, b in hung.items()}
-    sizes = {r: _size(logs[r]) for r in hung}
-    for pid in pids.values():
+def dump_and_kill(pids: dict[int, str], wait_s: float) -> dict[int, str]:
+    """Ask the processes (pid -> its stderr log) for their stacks (telemetry.dump_stacks_on), let them run to
+    answer (they may be stopped), then SIGKILL them: from here on each is a crashed rank like any other.
+    Returns what each printed. A stopped rank runs on while it answers: it is killed as soon as its dump is
+    whole (its log stops growing), after `wait_s` at the latest."""
+    sizes = {pid: _size(log) for pid, log in pids.items()}
+    for pid in pids:
         for signum in (STACK_SIGNAL, signal.SIGCONT):
             _signal(pid, signum)
     deadline, last = time.monotonic() + wait_s, None
     while time.monotonic() < deadline:
         time.sleep(DUMP_POLL_S)
-        now = {r: _size(logs[r]) for r in hung}
-        if now == last and all(n > sizes[r] for r, n in now.items()):
+        now = {pid: _size(log) for pid, log in pids.items()}
+        if now == last and all(n > sizes[pid] for pid, n in now.items()):
             break  # every one wrote, and nothing since the last look: the dumps are whole
         last = now
-    beats = beats_of(directory, pids)
-    out = {}
-    for r, judged in hung.items():
-        spared = _not_hung(judged, beats.get(r), pids[r])
-        if not spared:
-            kill(pids[r])
-        out[r] = Dump(_stack_in(logs[r], sizes[r]), spared)
-    return out
-
-
-def _not_hung(judged: dict, beat: dict | None, pid: int) -> str:
-    """Why a rank judged hung on beat `judged` is not hung now that its last beat is `beat`, or ""."""
-    if beat is not None and (beat["time"] > judged["time"] or beat.get("done")):
-        return f"it beat again (step {beat.get('step', '?')}) while its stacks were dumped"
-    if _exited(pid):
-        return "it exited while its stacks were dumped"
-    return ""
-
-
-def _exited(pid: int) -> bool:
-    """Whether process `pid` is gone or a zombie (exited, its parent has not waited for it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True
-    return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")  # the state follows the command name's ")"
+    for pid in pids:
+        kill(pid)
+    return {pid: _stack_in(log, sizes[pid]) for pid, log in pids.items()}
 
 
 def kill(pid: int) -> None:
