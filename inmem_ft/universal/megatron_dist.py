@@ -4,13 +4,13 @@
     <out>/iter_XXXXXXX/metadata.json            {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
     <out>/iter_XXXXXXX/.metadata                torch.distributed.checkpoint metadata
     <out>/iter_XXXXXXX/__0_<n>.distcp           one file per global tensor or object
-    <out>/iter_XXXXXXX/common.pt                the common state, for megatron-core 0.18
+    <out>/iter_XXXXXXX/common.pt                the common state, for megatron-core 0.17 and 0.18
 
 What megatron-core's `dist_checkpointing.save` writes: every ShardedTensor key as one global tensor
 (its `global_shape`, prepended layer axes included), every ShardedObject as the bytes of `torch.save([data])`
 under its `unique_key` (`<key>/shard_<offset>_<shape>`), and the common state (args, iteration, scheduler,
-optimizer param groups, content metadata) as the ShardedObject `common_state` (0.19) or in `common.pt` (0.18:
-integrations/megatron/versions.py), as the release that took the snapshot writes it.
+optimizer param groups, content metadata) as the ShardedObject `common_state` (0.19) or in `common.pt` (0.17 and
+0.18: integrations/megatron/versions.py), as the release that took the snapshot writes it.
 Megatron's load then cuts the boxes its own layout needs from the global tensors, so another TP/PP layout
 loads it too.
 

@@ -26,8 +26,7 @@ def release() -> tuple[int, int]:
     """megatron-core's (major, minor)."""
     from megatron.core.package_info import __version__
 
-    major, minor = __version__.split(".")[:2]
-    return int(major), int(minor)
+    return Version(__version__).release[:2]
 
 
 def parse_and_validate_args(extra_args_provider=None) -> Namespace:
