@@ -78,6 +78,20 @@ def test_a_boundary_nobody_recorded_merges_its_parts_and_says_why():
     assert hang["total_s"] is None and sum(p["seconds"] or 0 for p in hang["parts"]) == 10
 
 
+def test_steps_a_rank_beat_after_the_failure_was_detected_count_as_reached(tmp_path):
+    """A hung rank continued to print its stacks may finish a step, and its snapshot, before it is killed: the
+    restart restores that step, which must not be past the step the failure is said to have reached."""
+    from inmem_ft.agent.clock import RecoveryClock
+
+    said = []
+    clock = RecoveryClock(str(tmp_path / "time_lost.json"), said.append)
+    clock.failed("hang", {0: {"step": 19, "time": 1.0}, 1: {"step": 19, "time": 1.0}}, failed_at=1.0, note="-")
+    clock.stopped({0: {"step": 20, "time": 2.0}, 1: {"step": 19, "time": 1.0}})
+    clock.close()
+    (split,) = clock.splits
+    assert split["reached_step"] == 20 and said[-1].startswith("event=time_lost")
+
+
 def launch(work, job, *args, steps=8):
     """A short job restarted cold (--no-standby): warm standbys are covered above and in test_standby.py."""
     return subprocess.run(

@@ -108,7 +108,7 @@ class InmemAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group, *args, **kwargs):
         super()._stop_workers(worker_group, *args, **kwargs)
-        self.clock.stopped()
+        self.clock.stopped(self._beats(worker_group))
 
     def _restart_workers(self, worker_group, *args, **kwargs):
         if not self.clock.pending:  # this node's ranks are well: another node's agent asked for a new round

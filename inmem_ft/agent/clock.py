@@ -42,9 +42,16 @@ class RecoveryClock:
         self._ranks, self._back = {}, []  # the failed attempt's ranks are not the restart's
         self.say(f"event=failure_detected failure=\"{cause}\"")
 
-    def stopped(self) -> None:
-        if self._restart is not None:
-            self._restart.stopped_at = time.time()
+    def stopped(self, beats: dict[int, dict]) -> None:
+        """The local ranks are stopped; `beats`: their last heartbeats. A rank may still have stepped after the
+        failure was detected (a hung rank continued to print its stacks, a survivor finishing a step already under
+        way): the steps it beat at were reached, and a snapshot of them may be what the restart restores."""
+        r = self._restart
+        if r is not None:
+            r.stopped_at = time.time()
+            last = max((b.get("step", 0) for b in beats.values()), default=None)
+            if last is not None and (r.reached is None or last > r.reached):
+                r.reached = last
 
     def launched(self, attempt: int, at: float, ranks: dict[int, tuple[str, str]]) -> None:
         """The restart's ranks began to start `at`: `ranks` maps each to its worker record and its stderr log."""

@@ -41,7 +41,7 @@ class Restart:
     failed_at: float | None  # None: a rank that stopped by itself, at a moment nobody saw
     detected_at: float
     stopped_at: float
-    reached: int | None  # the newest step the failed attempt's ranks beat at before the failure
+    reached: int | None  # the newest step the failed attempt's ranks beat at before they were stopped
     failed_note: str = ""
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
