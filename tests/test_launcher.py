@@ -17,10 +17,12 @@ CLOCK_RESOLUTION_S = 0.001  # the rank logs' timestamps, which the restore's bou
 
 def test_launch_recovers_from_kill_node_loss_and_hang_with_exact_losses(runtime, job):
     work = runtime / "launch"
+    # The SIGCONT that lets the hung rank print its stacks lets it train on until it is killed: steps to spare
+    # after the hang, so that it cannot reach the job's end in that moment on a loaded box.
     out = subprocess.run(
         [sys.executable, "-m", "inmem_ft", "launch", "--job", job, "--work-dir", str(work), "--parity", "1",
-         "--kill-rank", "8:3", "--kill-node", "13:1", "--hang-rank", "17:1", "--heartbeat-timeout", "8", "--plot", str(work / "plot.png"), "--",
-         "-m", "inmem_ft.examples.plain_pytorch", "--steps", "24", "--interval", "5"],
+         "--kill-rank", "8:3", "--kill-node", "13:1", "--hang-rank", "17:1", "--heartbeat-timeout", "8", "--plot",
+         str(work / "plot.png"), "--", "-m", "inmem_ft.examples.plain_pytorch", "--steps", "32", "--interval", "5"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     timeline = json.loads((work / "timeline.json").read_text())
