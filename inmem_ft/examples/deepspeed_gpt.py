@@ -9,9 +9,7 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
-import signal
 
 import numpy as np
 import torch
@@ -19,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import inmem_ft
+from inmem_ft.examples.ds_common import add_run_args, counters, die_if_asked, finish, parse, resume, start
 
 VOCAB, SEQ, MICRO_BATCH = 64, 32, 4
 
@@ -159,15 +158,23 @@ def full_state(engine, zero3_weights: bool = False) -> dict:
 def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: bool) -> None:
     """full_state (collective) to `path` and the counters a resume must carry to `path`.json, from rank 0."""
     full = full_state(engine, zero3_weights)
-    steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
-    counters = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                "skipped_steps": engine.skipped_steps, "optimizer_steps": steps, "lr": engine.get_lr(),
-                "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                "position": stream.position, "restored": restored.tier if restored else None}
     if rank == 0:
         torch.save(full, path)
         with open(f"{path}.json", "w") as f:
-            json.dump(counters, f)
+            json.dump({**counters(engine, stream.position), "restored": restored.tier if restored else None}, f)
+
+
+def train_step(engine, stream) -> float:
+    """One optimizer step on the stream's next batch; the loss, averaged over the ranks."""
+    import deepspeed
+
+    x, y = stream.next()
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()  # inmem_ft snapshots here every `interval` steps
+    mean = loss.detach().float().clone()
+    deepspeed.comm.all_reduce(mean)
+    return mean.item() / deepspeed.comm.get_world_size()
 
 
 def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BATCH, accumulation: int = 1) -> dict:
@@ -191,42 +198,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", help="DeepSpeed JSON (e.g. `inmem-ft example-config deepspeed`); default: built in")
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--global-batch", type=int, default=None,
                    help="train every DP layout on the same global batches of this many sequences (GlobalBatches)")
     p.add_argument("--reshard", default=None, choices=["auto", "never"], help="the inmem_ft block's reshard")
-    p.add_argument("--save-dir", default=None, help="at the end: engine.save_checkpoint(PATH), a stock DeepSpeed "
-                                                    "checkpoint (inmem_ft's disk tier is the SMPs' business)")
-    p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
     p.add_argument("--load-dir", default=None, help="with --no-inmem: stock load_checkpoint from here first")
     p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
                                                       "PATH.rank<r>")
-    p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every global parameter and "
-                                                     "optimizer moment (torch.save) to PATH, and the counters "
-                                                     "(steps, scheduler, data position) to PATH.json")
-    p.add_argument("--dump-step", type=int, default=None, help="with --dump-full: after this step (or right after "
-                                                               "the restore of it) instead of at the end")
     p.add_argument("--dump-weights", action="store_true", help="with --dump-full: ZeRO-3's module weights too")
-    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
-    p.add_argument("--die-at", type=int, default=None,
-                   help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
-    p.add_argument("--die-rank", type=int, default=0)
-    args = p.parse_args()
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
+    add_run_args(p, dump_help="rank 0 writes every global parameter and optimizer moment (torch.save) to PATH, "
+                              "and the counters (steps, scheduler, data position) to PATH.json, at the end or "
+                              "after --dump-step")
+    args = parse(p)
 
-    inmem_ft.log_to_stderr()  # snapshot and restore lines, with the [inmem_ft] prefix, in each rank's log
-    torch.set_num_threads(1)  # ranks share the cores; also fixes the reduction order
-    import deepspeed
-    from inmem_ft.integrations.deepspeed import cpu_setup, install
+    deepspeed = start()
+    from inmem_ft.integrations.deepspeed import install
 
-    cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
     if args.config:
         with open(args.config) as f:
@@ -251,42 +238,27 @@ def main() -> None:
 
     # The one inmem_ft line: snapshots every `interval` steps, restore of the newest tier on start.
     handle = install(engine, extra_state=lambda: {"position": stream.position})
-    start = 0
-    if handle is not None and handle.restored is not None:
-        stream.position, start = handle.restored.extras["position"], handle.restored.step
-    elif args.load_dir:  # plain DeepSpeed resume from a stock checkpoint (--save-dir of an earlier run)
+    restored = handle.restored if handle is not None else None
+    first = resume(handle, stream)
+    if restored is None and args.load_dir:  # plain DeepSpeed: a stock checkpoint (an earlier run's --save-dir)
         path, _ = engine.load_checkpoint(args.load_dir)
         assert path is not None, f"nothing to load in {args.load_dir}"
-        start = engine.global_steps
-        stream.position = start
+        first = engine.global_steps
+        stream.position = first
 
     if args.dump_state:
         with open(f"{args.dump_state}.rank{rank}", "w") as f:
-            f.write(json.dumps({"step": start, "digest": state_digest(engine)}))
-    restored = handle.restored if handle is not None else None
-    if args.dump_full and args.dump_step == start:
+            f.write(json.dumps({"step": first, "digest": state_digest(engine)}))
+    if args.dump_full and args.dump_step == first:
         dump_full(engine, stream, args.dump_full, rank, restored, args.dump_weights)
-    for step in range(start + 1, args.steps + 1):
-        x, y = stream.next()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()  # inmem_ft snapshots here every `interval` steps
-        mean = loss.detach().float().clone()
-        deepspeed.comm.all_reduce(mean)
-        inmem_ft.report_loss(step, mean.item() / deepspeed.comm.get_world_size(), args.loss_log)
+    for step in range(first + 1, args.steps + 1):
+        inmem_ft.report_loss(step, train_step(engine, stream), args.loss_log)
         if args.dump_full and args.dump_step == step:
             dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
-        if step == args.die_at and rank == args.die_rank:
-            if handle is not None:
-                handle.wait()  # which snapshot survives is then fixed; tests/test_failures.py kills mid-write
-            os.kill(os.getpid(), signal.SIGKILL)
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir)
-    if handle is not None:
-        handle.close()
+        die_if_asked(args, step, rank, handle)
+    finish(args, engine, handle)
     if args.dump_full and args.dump_step is None:
         dump_full(engine, stream, args.dump_full, rank, None, args.dump_weights)
-
 
 
 if __name__ == "__main__":

@@ -6,9 +6,7 @@ Run one process per rank with the torchrun variables set (torchrun, `inmem-ft la
 an SMP per node. Deterministic on CPU: a resumed run reproduces the uninterrupted losses bit for bit.
 """
 import argparse
-import os
 import random
-import signal
 
 import numpy as np
 import torch
@@ -16,7 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import inmem_ft
-from inmem_ft.examples.deepspeed_gpt import MICRO_BATCH, SEQ, VOCAB, Block, GlobalBatches, TokenStream, ds_config
+from inmem_ft.examples.deepspeed_gpt import (MICRO_BATCH, SEQ, VOCAB, Block, GlobalBatches, TokenStream, ds_config,
+                                             train_step)
+from inmem_ft.examples.ds_common import add_run_args, counters, die_if_asked, finish, parse, resume, start
 
 AUX_WEIGHT = 0.01  # the gate's load-balancing loss, as a share of the LM loss
 
@@ -83,10 +83,7 @@ def dump_full(engine, stream, path: str, restored) -> None:
 
     full = full_state(engine)
     if deepspeed.comm.get_rank() == 0:
-        steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
-        full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                             "optimizer_steps": steps, "lr": engine.get_lr(), "position": stream.position,
-                             "scheduler": engine.lr_scheduler.state_dict(),
+        full["_counters"] = {**counters(engine, stream.position),
                              "restored": str(restored.tier) if restored else None}
         torch.save(full, path)
 
@@ -96,33 +93,16 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (divides the world and --experts)")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--zero-stage", type=int, default=1, choices=[1, 2])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--global-batch", type=int, default=None,
                    help="train every DP layout on the same global batches of this many sequences")
-    p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
-    p.add_argument("--save-dir", default=None, help="at the end: engine.save_checkpoint(PATH), a stock checkpoint")
-    p.add_argument("--dump-full", default=None, help="rank 0 writes every global parameter, fp32 master and Adam "
-                                                     "moment, keyed as the shard map keys them, and the counters "
-                                                     "(torch.save) to PATH, after --dump-step (or right after the "
-                                                     "restore of it)")
-    p.add_argument("--dump-step", type=int, default=None)
-    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
-    p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
-    p.add_argument("--die-rank", type=int, default=0)
-    args = p.parse_args()
+    add_run_args(p, hidden=32, dump_help="rank 0 writes every global parameter, fp32 master and Adam moment, keyed "
+                                         "as the shard map keys them, and the counters (torch.save) to PATH")
+    args = parse(p)
 
-    inmem_ft.log_to_stderr()
-    torch.set_num_threads(1)
-    import deepspeed
-    from inmem_ft.integrations.deepspeed import cpu_setup, install
+    deepspeed = start()
+    from inmem_ft.integrations.deepspeed import install
 
-    cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     micro = args.global_batch // world if args.global_batch else MICRO_BATCH
     config = ds_config(args.zero_stage, args.dtype, args.interval, micro)
@@ -136,30 +116,15 @@ def main() -> None:
     stream = GlobalBatches(1234, args.global_batch, rank, world) if args.global_batch else TokenStream(1234, rank)
 
     handle = install(engine, extra_state=lambda: {"position": stream.position})
-    start = 0
-    if handle is not None and handle.restored is not None:
-        stream.position, start = handle.restored.extras["position"], handle.restored.step
-    restored = handle.restored if handle is not None else None
-    if args.dump_full and args.dump_step == start:
-        dump_full(engine, stream, args.dump_full, restored)
-    for step in range(start + 1, args.steps + 1):
-        x, y = stream.next()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()  # inmem_ft snapshots here every `interval` steps
-        mean = loss.detach().float().clone()
-        deepspeed.comm.all_reduce(mean)
-        inmem_ft.report_loss(step, mean.item() / world, args.loss_log)
+    first = resume(handle, stream)
+    if args.dump_full and args.dump_step == first:
+        dump_full(engine, stream, args.dump_full, handle.restored if handle is not None else None)
+    for step in range(first + 1, args.steps + 1):
+        inmem_ft.report_loss(step, train_step(engine, stream), args.loss_log)
         if args.dump_full and args.dump_step == step:
             dump_full(engine, stream, args.dump_full, None)
-        if step == args.die_at and rank == args.die_rank:
-            if handle is not None:
-                handle.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir)
-    if handle is not None:
-        handle.close()
+        die_if_asked(args, step, rank, handle)
+    finish(args, engine, handle)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,7 @@ resumed run reproduces the uninterrupted losses bit for bit.
 """
 import argparse
 import math
-import os
 import random
-import signal
 
 import numpy as np
 import torch
@@ -19,6 +17,7 @@ import torch.nn.functional as F
 
 import inmem_ft
 from inmem_ft.examples.deepspeed_gpt import SEQ, VOCAB, Block, ds_config
+from inmem_ft.examples.ds_common import add_run_args, counters, die_if_asked, finish, parse, resume, start
 
 MICRO_BATCH, MICRO_BATCHES = 4, 2
 
@@ -79,30 +78,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--pp", type=int, default=2, help="pipeline stages")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--no-inmem", action="store_true", help="plain DeepSpeed: drop the inmem_ft block")
-    p.add_argument("--save-dir", default=None, help="at the end: engine.save_checkpoint(PATH), a stock checkpoint")
-    p.add_argument("--dump-full", default=None, help="ZeRO-1: rank 0 writes every global parameter, fp32 master and "
-                                                     "Adam moment, keyed as the shard map keys them, and the "
-                                                     "counters (torch.save) to PATH, after --dump-step (or right "
-                                                     "after the restore of it)")
-    p.add_argument("--dump-step", type=int, default=None)
-    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
-    p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
-    p.add_argument("--die-rank", type=int, default=0)
-    args = p.parse_args()
+    add_run_args(p, dump_help="ZeRO-1: rank 0 writes every global parameter, fp32 master and Adam moment, keyed as "
+                              "the shard map keys them, and the counters (torch.save) to PATH")
+    args = parse(p)
 
-    inmem_ft.log_to_stderr()
-    torch.set_num_threads(1)
-    import deepspeed
-    from inmem_ft.integrations.deepspeed import cpu_setup, install
+    deepspeed = start()
+    from inmem_ft.integrations.deepspeed import install
 
-    cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
     rank = deepspeed.comm.get_rank()
     # one optimizer step is MICRO_BATCHES micro-batches through the stages
     config = ds_config(args.zero_stage, args.dtype, args.interval, MICRO_BATCH, MICRO_BATCHES)
@@ -116,24 +98,16 @@ def main() -> None:
     data = Batches(1234, engine.grid.data_parallel_id)
 
     handle = install(engine, extra_state=lambda: {"position": data.position})
-    start = 0
-    if handle is not None and handle.restored is not None:
-        data.position, start = handle.restored.extras["position"], handle.restored.step
-    if args.dump_full and args.dump_step == start:
+    first = resume(handle, data)
+    if args.dump_full and args.dump_step == first:
         dump_full(engine, data, args.dump_full)
-    for step in range(start + 1, args.steps + 1):
+    for step in range(first + 1, args.steps + 1):
         loss = engine.train_batch(data)  # inmem_ft snapshots after every `interval`th optimizer step
         inmem_ft.report_loss(step, loss.item(), args.loss_log)  # the mean over micro-batches and replicas
         if args.dump_full and args.dump_step == step:
             dump_full(engine, data, args.dump_full)
-        if step == args.die_at and rank == args.die_rank:
-            if handle is not None:
-                handle.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-    if args.save_dir:
-        engine.save_checkpoint(args.save_dir)
-    if handle is not None:
-        handle.close()
+        die_if_asked(args, step, rank, handle)
+    finish(args, engine, handle)
 
 
 def dump_full(engine, data: Batches, path: str) -> None:
@@ -157,10 +131,7 @@ def dump_full(engine, data: Batches, path: str) -> None:
     deepspeed.comm.all_gather_object(everyone, mine)
     if deepspeed.comm.get_rank() == 0:
         full = {k: v for part in everyone for k, v in part.items()}
-        steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
-        full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                             "optimizer_steps": steps, "lr": engine.get_lr(), "position": data.position,
-                             "scheduler": engine.lr_scheduler.state_dict()}
+        full["_counters"] = counters(engine, data.position)
         torch.save(full, path)
 
 

@@ -11,9 +11,7 @@ reproduces the uninterrupted losses bit for bit.
 """
 import argparse
 import math
-import os
 import random
-import signal
 
 import numpy as np
 import torch
@@ -24,6 +22,7 @@ import torch.nn.functional as F
 import inmem_ft
 from inmem_ft.examples.deepspeed_gpt import VOCAB, ds_config
 from inmem_ft.examples.deepspeed_pipe import MICRO_BATCH, MICRO_BATCHES, Batches, Positions, lm_head, loss_fn
+from inmem_ft.examples.ds_common import add_run_args, counters, die_if_asked, finish, parse, resume, start
 
 
 class ModelParallelUnit:
@@ -216,35 +215,23 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (0: one plain module, no PipelineModule)")
     p.add_argument("--zero-stage", type=int, default=1, choices=[0, 1, 2])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--dump-full", default=None, help="ZeRO-1: rank 0 writes every global parameter, fp32 master and "
-                                                     "Adam moment (TP slices gathered), keyed as the shard map keys "
-                                                     "them, and the counters (torch.save) to PATH, after --dump-step "
-                                                     "(or right after a resharding restore of it: a restore of the "
-                                                     "same layout links the moments at the next step only)")
-    p.add_argument("--dump-step", type=int, default=None)
-    p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
-    p.add_argument("--die-at", type=int, default=None, help="failure injection: SIGKILL self after this step")
-    p.add_argument("--die-rank", type=int, default=0)
-    args = p.parse_args()
+    add_run_args(p, dump_help="ZeRO-1: rank 0 writes every global parameter, fp32 master and Adam moment (TP "
+                              "slices gathered), keyed as the shard map keys them, and the counters (torch.save) "
+                              "to PATH (after a restore of the same layout, the moments are linked at the next "
+                              "step only: dump after a resharding restore, or a step later)")
+    args = parse(p)
 
-    inmem_ft.log_to_stderr()
-    torch.set_num_threads(1)
-    import deepspeed
+    deepspeed = start()
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from inmem_ft.integrations.deepspeed import cpu_setup, install
+    from inmem_ft.integrations.deepspeed import install
 
-    cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     stages = max(args.pp, 1)
     mpu = ModelParallelUnit(PipeModelDataParallelTopology(stages, args.tp, world // (stages * args.tp)))
     config = ds_config(args.zero_stage, args.dtype, args.interval, MICRO_BATCH, MICRO_BATCHES)
+    if args.no_inmem:
+        config.pop("inmem_ft")
     if args.pp:
         model = pipeline(args.layers, args.hidden, 4, 0.1, mpu)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
@@ -260,22 +247,16 @@ def main() -> None:
     data = Batches(1234, mpu.dp_rank)
 
     handle = install(engine, extra_state=lambda: {"position": data.position})
-    start = 0
-    if handle is not None and handle.restored is not None:
-        data.position, start = handle.restored.extras["position"], handle.restored.step
-    if args.dump_full and args.dump_step == start:
+    first = resume(handle, data)
+    if args.dump_full and args.dump_step == first:
         dump_full(engine, mpu, data, args.dump_full)
-    for step in range(start + 1, args.steps + 1):
+    for step in range(first + 1, args.steps + 1):
         loss = engine.train_batch(data) if args.pp else plain_step(engine, data)
         inmem_ft.report_loss(step, loss.item(), args.loss_log)
         if args.dump_full and args.dump_step == step:
             dump_full(engine, mpu, data, args.dump_full)
-        if step == args.die_at and rank == args.die_rank:
-            if handle is not None:
-                handle.wait()
-            os.kill(os.getpid(), signal.SIGKILL)
-    if handle is not None:
-        handle.close()
+        die_if_asked(args, step, rank, handle)
+    finish(args, engine, handle)
 
 
 def plain_step(engine, data: Batches):
@@ -318,10 +299,7 @@ def dump_full(engine, mpu, data: Batches, path: str) -> None:
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         full = {k: v for part in everyone for k, v in part.items()}
-        steps = sorted({float(s["step"]) for s in engine.basic_optimizer.state.values() if "step" in s})
-        full["_counters"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                             "optimizer_steps": steps, "lr": engine.get_lr(), "position": data.position,
-                             "scheduler": engine.lr_scheduler.state_dict()}
+        full["_counters"] = counters(engine, data.position)
         torch.save(full, path)
 
 
