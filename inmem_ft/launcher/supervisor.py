@@ -125,6 +125,15 @@ class NodeAgent:
 
     def beats(self) -> dict[int, dict]:
         """The heartbeats of the ranks the agent runs now (global rank -> beat), by their worker records' pids."""
+        beats = self._newest_beats()
+        return {r: b for r, b in beats.items() if _running(b["pid"])}
+
+    def finished(self) -> list[int]:
+        """The ranks of the agent's newest attempt whose last beat said they are done training, exited or not."""
+        return sorted(r for r, b in self._newest_beats().items() if b.get("done"))
+
+    def _newest_beats(self) -> dict[int, dict]:
+        """The last beats of the newest attempt's ranks, by their worker records' pids, running or not."""
         attempt = self.attempt_dir()
         if attempt is None:
             return {}
@@ -137,7 +146,7 @@ class NodeAgent:
                 record = telemetry.read_record(os.path.join(attempt, name))
                 if record and record.get("pid"):
                     pids[int(m.group(1))] = record["pid"]
-        return hangs.beats_of(os.path.join(attempt, "heartbeats"), {r: p for r, p in pids.items() if _running(p)})
+        return hangs.beats_of(os.path.join(attempt, "heartbeats"), pids)
 
     def new_splits(self) -> list[dict]:
         """What the agent's clock measured since the last look (agent/clock.py)."""
@@ -200,7 +209,7 @@ class Supervisor:
         self._snapshots: dict[tuple[int, int], dict[int, float] | None] = {}  # (generation, step) -> stalls
         self._restored_seen = False
         self._gone: set[int] = set()  # pids of ranks a detected failure ended (they may beat a moment longer)
-        self._injected: list[tuple[float, str]] = []  # (time.time(), what): injected, not recovered yet
+        self._injected: list[tuple[float, str, str]] = []  # (time.time(), what, kind): injected, not recovered yet
         self._detected_by: int | None = None  # the node whose agent noticed the failure being recovered first
         self._protected_then: int | None = None  # with erasure coding: the step protected on every node then
         self._smp_logs = {n: telemetry.Tail(paths.default_log(self.job, n), from_end=True) for n in range(nodes)}
@@ -256,6 +265,8 @@ class Supervisor:
             self._note_recovery()
             self._note_rebuilds()
             self._note_protection()
+            if self._landed_after_the_end():
+                return
             codes = {n: a.proc.poll() for n, a in self.agents.items()}
             failed = {n: c for n, c in codes.items() if c not in (None, 0)}
             if failed:
@@ -269,6 +280,23 @@ class Supervisor:
                 self.event("finished", "every rank exited cleanly")
                 return
             time.sleep(POLL_S)
+
+    def _landed_after_the_end(self) -> bool:
+        """A node loss or hang injected once the job had finished its last step (a rank beat done: every rank is
+        past the job's last collective) interrupts no training, and no agent would ever detect it: the lost node's
+        survivors wait in torch's exit barrier for its agent (300 s), a rank that said done is never judged hung.
+        The job is over: it counts as finished, the failure as missed. (A killed rank's exit is always seen.)"""
+        if not self._injected or self._detected_by is not None or self._injected[0][2] == "rank":
+            return False
+        done = sorted(r for agent in self.agents.values() for r in agent.finished())
+        if not done:
+            return False
+        what = self._injected.pop(0)[1]
+        self.timeline.missed.append(f"{what}: landed after the job's last step")
+        self.event("missed", f"{what} landed after the job's last step (rank(s) {done} had finished training), "
+                             f"so it interrupted nothing: the run ends here")
+        self.timeline.ok = True
+        return True
 
     def _shut_down(self) -> None:
         for agent in self.agents.values():
@@ -334,7 +362,7 @@ class Supervisor:
                     continue  # every node's agent measures the same restart; one speaks for it
                 self._detected_by = None
                 if self._injected:
-                    at, what = self._injected.pop(0)
+                    at, what, _ = self._injected.pop(0)
                     split = timelost.counted_from(split, what, at)
                 split = {**split, "protected_step": self._protected_then}
                 self.timeline.time_lost.append(split)
@@ -438,7 +466,7 @@ class Supervisor:
             text = f.describe() + (f" (reached step {reached} when it landed)" if reached != f.step else "")
             self.timeline.failures.append((reached, text))
             self.event("failure", text, reached)
-            self._injected.append((time.time(), text))
+            self._injected.append((time.time(), text, f.kind))
             if f.kind == "rank":
                 hangs.kill(beats[f.target]["pid"])
             elif f.kind == "hang":
