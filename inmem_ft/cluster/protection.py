@@ -29,12 +29,12 @@ import numpy as np
 
 from ..ec.stripes import StripeLayout, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
-from . import nodedata, paritystore, rebuild
+from . import nodedata, paritystore, rebuild, transport
 from .groups import Groups
 from .paritystore import BUILDING, BUILT, PROTECTED, ParitySet
 from .peers import Peers
 from .rebuild import StripeReader
-from .transport import MAX_PAYLOAD, PeerUnavailable
+from .transport import MAX_PAYLOAD, PeerRefused, PeerUnavailable
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
@@ -43,6 +43,13 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 # each member's trainers reset that (restored) within moments of each other, and the member that asks first
 # must not take a failure from before the restart for the member's answer now.
 PEER_FAILED_GRACE_S = 5.0
+# Waits before each retry of a protection that failed for a transient reason (a peer unreachable or too slow to
+# answer). The first is longer than the transport's QUIET_S, in which a peer that timed out is not dialled again.
+RETRY_DELAYS_S = (transport.QUIET_S + 1.0, 2 * (transport.QUIET_S + 1.0))
+
+
+class PeerGaveUp(InmemFTError):
+    """A member of the group reports that it gave up protecting the step: retrying here cannot complete it."""
 
 
 class Protector:
@@ -161,17 +168,38 @@ class Protector:
                 step, why, epoch = self.wanted, self.why, self._epoch
             if why != "complete":
                 log.info("ec node=%d event=protect step=%d reason=%s", self.node, step, why)
+            self._protect_retrying(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0, epoch)
+
+    def _protect_retrying(self, step: int, peer_failed_grace_s: float, epoch: int) -> None:
+        """protect(step), again after a transient failure (a peer unreachable or too slow to answer) unless a newer
+        step or a resume superseded it meanwhile: else the newest step stays unprotected until the next snapshot.
+        A member only reports the step failed once it gives up, so the rest of its group waits for its retry."""
+        for attempt, delay in enumerate((*RETRY_DELAYS_S, None), 1):
             try:
-                self.protect(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0)
+                self.protect(step, peer_failed_grace_s)
+                return
             except (InmemFTError, ValueError, OSError) as e:
                 with self.smp.lock:
-                    if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
-                        self.failed = step
                     ps = self.sets.get(step)
                     if ps is not None and ps.state != PROTECTED:
                         self.sets.pop(step).drop()
+                transient = isinstance(e, PeerUnavailable) and not isinstance(e, PeerRefused)
+                if delay is not None and transient and not self._superseded(step, epoch):
+                    log.warning("ec node=%d event=protect_retry step=%d attempt=%d of %d delay_s=%.0f reason=%s",
+                                self.node, step, attempt + 1, len(RETRY_DELAYS_S) + 1, delay, e)
+                    with self._wake:
+                        if not self._wake.wait_for(lambda: self._superseded(step, epoch), delay):
+                            continue
+                with self.smp.lock:
+                    if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
+                        self.failed = step
                 log.warning("ec node=%d event=protect_failed step=%d reason=%s: the step is not protected; "
                             "the newest protected one stays", self.node, step, e)
+                return
+
+    def _superseded(self, step: int, epoch: int) -> bool:
+        """Whether the job resumed, or asked for another step, since protecting `step` began."""
+        return self._epoch != epoch or self.wanted != step
 
     def protect(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
         t0 = time.perf_counter()
@@ -246,7 +274,7 @@ class Protector:
                 if str(step) in state["built"]:
                     pending.discard(n)
                 elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
-                    raise PeerUnavailable(f"node {n} failed to build its parity of step {step}")
+                    raise PeerGaveUp(f"node {n} failed to build its parity of step {step}")
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "
                                       f"{BUILT_WAIT_S:.0f} s")
