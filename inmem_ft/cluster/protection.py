@@ -215,6 +215,10 @@ class Protector:
         with self.smp.lock:
             if self._epoch == epoch:
                 self.gave_up = step
+        if self._stopping:  # not a failure of the group: nothing is lost that the stop itself does not lose
+            log.info("ec node=%d event=protect_stopped step=%d reason=%s: the SMP is stopping; the step is not "
+                     "protected", self.node, step, error)
+            return
         log.warning("ec node=%d event=protect_failed step=%d reason=%s%s: the step is not protected; the group "
                     "keeps the parity of the older protected step", self.node, step, error,
                     f" (not retried: {superseded})" if superseded else "")
