@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from conftest import wait_protected
+from conftest import wait_for_log, wait_protected
 
-from inmem_ft.cluster import transport
+from inmem_ft.cluster import protection, transport
 from inmem_ft.errors import SnapshotLost
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
@@ -32,13 +32,15 @@ def make_cluster(job, runtime, m):
     return SimulatedCluster(G, RANKS_PER_NODE, job, 64 << 20, str(runtime / "logs"), parity=m).start()
 
 
-def write_step(cluster, step, seed=0, size=50_000, complete=None):
-    """Commit `step` on every rank with random tensor bytes of a per-rank size, then declare it complete on the
-    nodes of `complete` (default every node)."""
+def write_step(cluster, step, seed=0, size=50_000, complete=None, on=None):
+    """Commit `step` on every rank (of the nodes `on`, default all) with random tensor bytes of a per-rank size,
+    then declare it complete on the nodes of `complete` (default every node)."""
     rng = np.random.default_rng(seed + step)
     for rank in range(cluster.world_size):
         n = size + 7919 * rank  # unequal nodes: exercises the padding
         data = rng.integers(0, 256, n, dtype=np.uint8)
+        if on is not None and cluster.node_of(rank) not in on:
+            continue
         manifest = {"format": seg.FORMAT, "rank": rank, "step": step, "world_size": cluster.world_size,
                     "leaves": [{"o": 0, "n": n, "h": to_hex(checksum(data)), "dt": "uint8", "sh": [n]}]}
         raw = seg.encode_manifest(manifest)
@@ -46,6 +48,7 @@ def write_step(cluster, step, seed=0, size=50_000, complete=None):
         try:
             reply = client.call("begin", rank=rank, step=step, manifest_len=len(raw), data_len=n,
                                 keep_step=step - 1 if step > 1 else None, reserve=step == 1)
+            assert "skipped" not in reply, reply
             with open(path_of(reply["segment"]), "r+b") as f:
                 f.seek(seg.HEADER_SIZE)
                 f.write(raw)
@@ -230,5 +233,35 @@ def test_an_smp_restarted_with_its_complete_step_unprotected_protects_it(job, ru
         log = open(cluster.smp_log(0)).read()
         assert "event=protect step=2 reason=step 2 is complete but not protected when this SMP started" in log
         assert "event=reuse parity step=2 state=built" in log
+    finally:
+        cluster.stop()
+
+
+def test_a_retry_of_protection_holds_off_no_snapshot_and_yields_to_a_newer_step_and_to_a_stop(job, runtime):
+    """Node 3's SMP is gone while step 2 is protected: each other node retries it (event=protect_retry), and
+    meanwhile takes the next snapshot; step 3 complete ends the wait for step 2's retry at once, and stopping an
+    SMP whose retry of step 3 waits is not held up by it."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        wait_protected(cluster, 1)
+        write_step(cluster, 2, complete=())
+        cluster.lose_node(3)
+        alive = (0, 1, 2)
+        for node in alive:
+            control.call(cluster.socket_path(node), "complete", step=2)
+        for node in alive:
+            wait_for_log(cluster.smp_log(node), "event=protect_retry step=2 attempt=2 of 3 ", 30)
+        write_step(cluster, 3, on=alive, complete=alive)  # not skipped: a retry does not pin the protected step
+        t0 = time.monotonic()
+        for node in alive:
+            wait_for_log(cluster.smp_log(node), "(not retried: step 3 is wanted now)", protection.RETRY_DELAYS_S[0])
+        assert time.monotonic() - t0 < protection.RETRY_DELAYS_S[0] - 1
+        wait_for_log(cluster.smp_log(0), "event=protect_retry step=3 attempt=2 of 3 ", 30)
+        t0 = time.monotonic()
+        control.stop(cluster.socket_path(0), wipe=True)
+        cluster.smps.pop(0).wait(timeout=30)
+        assert time.monotonic() - t0 < protection.RETRY_DELAYS_S[0] - 1
+        cluster.wipe_node(0)
     finally:
         cluster.stop()

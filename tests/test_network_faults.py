@@ -15,7 +15,7 @@ from conftest import wait_protected
 from test_ec_cluster import node_bytes, write_step
 
 from inmem_ft import cli
-from inmem_ft.cluster import transport
+from inmem_ft.cluster import protection, transport
 from inmem_ft.errors import SnapshotLost
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
@@ -27,6 +27,8 @@ SECRET = "netfaults-test-secret-0123456789"
 # A call that meets a silent peer waits for the kernel to give up on the link (SILENT_S) or on a connect
 # (CONNECT_S), then decodes from parity; the rest is slack for a loaded 2-core box.
 BOUND_S = transport.SILENT_S + transport.CONNECT_S + 15
+# Protecting a step tries again after each transient failure; each retry meets a cut-off peer's connect timeout.
+GIVE_UP_S = BOUND_S + sum(protection.RETRY_DELAYS_S) + len(protection.RETRY_DELAYS_S) * transport.CONNECT_S
 
 
 @pytest.fixture(autouse=True)
@@ -98,9 +100,9 @@ def read_slots(client, cluster, node, step):
 
 
 def test_partition_during_protection_and_reads(net, cluster):
-    """Node 2 cut off: protecting step 2 fails within the bound on every node, naming the node; reads of its step 1
-    come from parity meanwhile; once healed, its reads come from its memory again, the next step is protected, and
-    a node lost after that is rebuilt byte for byte."""
+    """Node 2 cut off: protecting step 2 is retried, then fails within the bound on every node, naming the node;
+    reads of its step 1 come from parity meanwhile; once healed, its reads come from its memory again, the next step
+    is protected, and a node lost after that is rebuilt byte for byte."""
     write_step(cluster, 1, size=SIZE)
     wait_protected(cluster, 1)
     before = step_bytes(cluster, 2, 1)
@@ -110,10 +112,11 @@ def test_partition_during_protection_and_reads(net, cluster):
     t0 = time.monotonic()
     write_step(cluster, 2, size=SIZE)  # complete on every node (through its control socket): protection starts
     for node in (0, 1):
-        line = wait_log(cluster, node, r"event=protect_failed step=2 ", BOUND_S)
+        line = wait_log(cluster, node, r"event=protect_failed step=2 ", GIVE_UP_S)
         assert f"peer node 2 at {net.address(2)}:" in line, line
-    assert time.monotonic() - t0 < BOUND_S
-    line = wait_log(cluster, 2, r"event=protect_failed step=2 ", BOUND_S)
+        assert "event=protect_retry step=2 attempt=3 of 3 " in open(cluster.smp_log(node)).read()
+    assert time.monotonic() - t0 < GIVE_UP_S
+    line = wait_log(cluster, 2, r"event=protect_failed step=2 ", GIVE_UP_S)
     assert re.search(rf"peer node [01] at {re.escape(net.subnet)}\.[12]:", line), line
     t0 = time.monotonic()
     got = read_slots(client, cluster, 2, 1)
@@ -129,6 +132,20 @@ def test_partition_during_protection_and_reads(net, cluster):
     write_step(cluster, 3, size=SIZE)
     wait_protected(cluster, 3, timeout=BOUND_S)
     lose_and_rebuild(cluster, 1, 3)
+
+
+def test_protection_retried_once_a_cut_off_peer_is_back(net, cluster):
+    """Node 2 cut off while step 2 is being protected, and back before the retry: step 2 ends up protected on every
+    node without another snapshot, and no node gave it up."""
+    write_step(cluster, 1, size=SIZE)
+    wait_protected(cluster, 1)
+    net.partition(2)
+    write_step(cluster, 2, size=SIZE)
+    line = wait_log(cluster, 0, r"event=protect_retry step=2 attempt=2 of 3 ", BOUND_S)
+    assert f"peer node 2 at {net.address(2)}:" in line, line
+    net.heal(2)
+    wait_protected(cluster, 2, timeout=BOUND_S + sum(protection.RETRY_DELAYS_S))
+    assert not any("event=protect_failed" in open(cluster.smp_log(n)).read() for n in range(NODES))
 
 
 @pytest.mark.slow

@@ -29,12 +29,12 @@ import numpy as np
 
 from ..ec.stripes import StripeLayout, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
-from . import nodedata, paritystore, rebuild
+from . import nodedata, paritystore, rebuild, transport
 from .groups import Groups
 from .paritystore import BUILDING, BUILT, PROTECTED, ParitySet
 from .peers import Peers
 from .rebuild import StripeReader
-from .transport import MAX_PAYLOAD, PeerUnavailable
+from .transport import MAX_PAYLOAD, PeerRefused, PeerUnavailable
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 4 << 20  # bytes per pull: big enough to amortise a round trip, small enough to bound memory
@@ -43,6 +43,13 @@ BUILT_WAIT_S = 120.0  # how long a node waits for the rest of its group to finis
 # each member's trainers reset that (restored) within moments of each other, and the member that asks first
 # must not take a failure from before the restart for the member's answer now.
 PEER_FAILED_GRACE_S = 5.0
+# Waits before each retry of a protection that failed for a transient reason (a peer unreachable or too slow to
+# answer). The first is longer than the transport's QUIET_S, in which a peer that timed out is not dialled again.
+RETRY_DELAYS_S = (transport.QUIET_S + 1.0, 2 * (transport.QUIET_S + 1.0))
+
+
+class PeerGaveUp(InmemFTError):
+    """A member of the group reports that it gave up protecting the step: retrying here cannot complete it."""
 
 
 class Protector:
@@ -68,12 +75,17 @@ class Protector:
             peers.register(op, handler, self.members)
         self.sets: dict[int, ParitySet] = {}
         self.protected: int | None = None
+        # The step whose protection failed here, given up or waiting for a retry: a begin may overwrite the older
+        # protected step's slots (the SMP's pins), so a retry never holds off the next snapshot.
         self.failed: int | None = None
+        # The step this node gave up protecting: what its peers are told, so that they stop waiting for it.
+        self.gave_up: int | None = None
         self.lag_s: float | None = None
         self.completed_at: dict[int, float] = {}
         self.wanted: int | None = None
         self.why: str = "complete"  # why `wanted` is wanted, for the log line of a protection that is not routine
         self._epoch = 0  # bumped by restored(): a failure of a protection begun before says nothing of now
+        self._stopping = False  # set by stop(): no protection starts, and no retry waits, any more
         self.rebuild_done = threading.Event()
         self.rebuild_error: str | None = None
         self.rebuilds = 0  # rebuilds of this node's slots from the group that finished, since this SMP started
@@ -94,6 +106,12 @@ class Protector:
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="inmem_ft-ec", daemon=True).start()
+
+    def stop(self) -> None:
+        """The SMP is stopping: a retry waiting for its delay gives up now, and none begins."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
 
     def wipe(self) -> None:
         for ps in self.sets.values():
@@ -116,7 +134,7 @@ class Protector:
             log.info("ec node=%d event=discard parity step=%d reason=job resumed from %s", self.node, s, step)
         done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
         self.protected = max(done) if done else None
-        self.failed = None
+        self.failed = self.gave_up = None
         self._epoch += 1
         # The step resumed from is the newest complete one now: protect it unless it is already (a trainer
         # killed between its commit and the job's agreement leaves one that no `complete` ever named).
@@ -156,22 +174,64 @@ class Protector:
         self.resume()
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self.wanted is not None and self.wanted != self.failed
-                                    and (self.protected is None or self.wanted > self.protected))
+                self._wake.wait_for(lambda: self._stopping or (
+                    self.wanted is not None and self.wanted != self.gave_up
+                    and (self.protected is None or self.wanted > self.protected)))
+                if self._stopping:
+                    return
                 step, why, epoch = self.wanted, self.why, self._epoch
             if why != "complete":
                 log.info("ec node=%d event=protect step=%d reason=%s", self.node, step, why)
+            self._protect_retrying(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0, epoch)
+
+    def _protect_retrying(self, step: int, peer_failed_grace_s: float, epoch: int) -> None:
+        """protect(step), again after a transient failure (a peer unreachable or too slow to answer) unless a newer
+        step, a resume or the SMP's stop superseded it meanwhile: else the newest step stays unprotected until the
+        next snapshot. A member only reports the step failed once it gives up, so the rest of its group waits for
+        its retry; its own next snapshot does not (see `failed`)."""
+        for attempt, delay in enumerate((*RETRY_DELAYS_S, None), 1):
             try:
-                self.protect(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0)
+                self.protect(step, peer_failed_grace_s)
+                return
             except (InmemFTError, ValueError, OSError) as e:
                 with self.smp.lock:
-                    if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
-                        self.failed = step
                     ps = self.sets.get(step)
                     if ps is not None and ps.state != PROTECTED:
                         self.sets.pop(step).drop()
-                log.warning("ec node=%d event=protect_failed step=%d reason=%s: the step is not protected; "
-                            "the newest protected one stays", self.node, step, e)
+                    if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
+                        self.failed = step
+                error = e
+            transient = isinstance(error, PeerUnavailable) and not isinstance(error, PeerRefused)
+            superseded = self._superseded(step, epoch)
+            if delay is None or not transient or superseded:
+                break
+            log.warning("ec node=%d event=protect_retry step=%d attempt=%d of %d delay_s=%.0f reason=%s", self.node,
+                        step, attempt + 1, len(RETRY_DELAYS_S) + 1, delay, error)
+            with self._wake:
+                self._wake.wait_for(lambda: self._superseded(step, epoch), delay)
+            superseded = self._superseded(step, epoch)
+            if superseded:
+                break
+        with self.smp.lock:
+            if self._epoch == epoch:
+                self.gave_up = step
+        if self._stopping:  # not a failure of the group: nothing is lost that the stop itself does not lose
+            log.info("ec node=%d event=protect_stopped step=%d reason=%s: the SMP is stopping; the step is not "
+                     "protected", self.node, step, error)
+            return
+        log.warning("ec node=%d event=protect_failed step=%d reason=%s%s: the step is not protected; the group "
+                    "keeps the parity of the older protected step", self.node, step, error,
+                    f" (not retried: {superseded})" if superseded else "")
+
+    def _superseded(self, step: int, epoch: int) -> str | None:
+        """Why protecting `step`, begun in `epoch`, is moot now, if it is."""
+        if self._stopping:
+            return "the SMP is stopping"
+        if self._epoch != epoch:
+            return "the job resumed meanwhile"
+        if self.wanted != step:
+            return f"step {self.wanted} is wanted now" if self.wanted is not None else "the job wants no step now"
+        return None
 
     def protect(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
         t0 = time.perf_counter()
@@ -211,6 +271,8 @@ class Protector:
     def _encode(self, step: int, cs: int, group: dict) -> ParitySet:
         """This node's parity chunks of `step`, pulled and encoded into a new parity set, sealed built."""
         with self.smp.lock:
+            if self._stopping:  # a wipe may have run: a parity set made now would outlive the SMP
+                raise InmemFTError(f"node {self.node}'s SMP is stopping")
             need = paritystore.RECORD + self.groups.m * cs
             if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
@@ -246,7 +308,7 @@ class Protector:
                 if str(step) in state["built"]:
                     pending.discard(n)
                 elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
-                    raise PeerUnavailable(f"node {n} failed to build its parity of step {step}")
+                    raise PeerGaveUp(f"node {n} failed to build its parity of step {step}")
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "
                                       f"{BUILT_WAIT_S:.0f} s")
@@ -276,7 +338,7 @@ class Protector:
     def _state(self, peer, header, payload):
         with self.smp.lock:
             built = {str(s): ps.record for s, ps in self.sets.items() if ps.state in (BUILT, PROTECTED)}
-        return {"built": built, "protected": self.protected, "failed": self.failed,
+        return {"built": built, "protected": self.protected, "failed": self.gave_up,
                 "data": self.smp.complete_steps_held(), "rebuilding": not self.rebuild_done.is_set()}, ()
 
     def _chunk(self, peer, header, payload):

@@ -297,8 +297,9 @@ class SMP:
         """Steps a begin must not overwrite: the job's complete step and, with EC, the newest protected one
         (survivors rebuild a lost node from it). None: both fill every slot while the group is still
         protecting the complete step; the begin then skips this snapshot rather than make the training
-        thread wait for erasure coding. Once protecting the complete step failed, the older protected step
-        is given up (keeping the complete step safe locally matters more than surviving a node loss)."""
+        thread wait for erasure coding. Once protecting the complete step failed (also while a retry of it
+        waits), the older protected step is given up (keeping the complete step safe locally matters more
+        than surviving a node loss)."""
         if self.protector is None:
             return {keep}
         protected = self.protector.protected
@@ -311,8 +312,8 @@ class SMP:
                         keep, protected)
             return None
         log.warning("smp node=%d event=unprotect rank=%d step=%s reason=protecting complete step %s failed (see "
-                    "event=protect_failed): overwriting the older protected step; a node loss now falls to the "
-                    "next tier", self.node, rank, protected, keep)
+                    "event=protect_retry, event=protect_failed): overwriting the older protected step; a node loss "
+                    "now falls to the next tier", self.node, rank, protected, keep)
         return {keep}
 
     @staticmethod
@@ -552,6 +553,7 @@ class SMP:
         return max(slot.committed_at for rank, slot in self.committed(step=step) if rank not in self.moved)
 
     def op_shutdown(self, msg, conn_id):
+        self._stop_protecting()  # before a wipe: a protection begun after it would make parity nobody frees
         if self.disk is not None:
             self.disk.drain()  # the writer thread reads slots that a wipe unmaps; never under it
         if msg.get("wipe"):
@@ -575,6 +577,7 @@ class SMP:
 
     def terminate(self) -> None:
         """SIGTERM: a preempted, cancelled or re-queued job. Flush first: memory may not outlive the job."""
+        self._stop_protecting()
         if self.disk is not None and not self.stopping:
             self.stopping = True
             try:
@@ -583,6 +586,11 @@ class SMP:
                 log.error("smp node=%d event=spill_failed dir=%s reason=%s: %s", self.node, self.disk.dir,
                           type(e).__name__, e)
         self.server.shutdown()
+
+    def _stop_protecting(self) -> None:
+        """No protection (or retry of one) begins once the SMP is stopping: none may outlive it."""
+        if self.protector is not None:
+            self.protector.stop()
 
     # ---- serving ----------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -633,6 +641,7 @@ class SMP:
         try:
             self.server.serve_forever(poll_interval=0.2)
         finally:
+            self._stop_protecting()
             self.server.server_close()
             if self.peers is not None:
                 self.peers.close()
