@@ -11,7 +11,7 @@ import torch
 from conftest import wait_protected
 from inmem_ft import cli
 from inmem_ft.cluster import transport
-from inmem_ft.errors import CatalogHole, SnapshotCorrupt, StepIncomplete
+from inmem_ft.errors import CatalogHole, SnapshotCorrupt, SnapshotLost, StepIncomplete
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
 from inmem_ft.smp.client import SMPClient
@@ -228,6 +228,12 @@ def test_lost_node_is_read_and_pulled_through_parity(job, runtime):
         [pulled] = client.pull(2)
         assert pulled["source"] == "peer_reconstruction" and pulled["from_node"] == 2
         assert node_slot(cluster, 0, 2) == original
+        # A second node lost (m=1): the error leads with both nodes and what to do, then why each failed.
+        cluster.kill_smp(3)
+        with pytest.raises(SnapshotLost, match=r"^nodes \[2, 3\] of EC group \[0, 1, 2, 3\] are unreachable, more "
+                                               r"than its parity m=1 tolerates; restore the job from the next tier "
+                                               r"\(disk\) \(node 2: .*; node 3: [^\n]*\)$"):
+            client.read(2, 2, STEP, 0, 64)
         client.close()
     finally:
         cluster.stop()

@@ -378,7 +378,9 @@ class Protector:
         if start < 0 or length < 0 or start + length > cs * self.layout.k:
             raise InmemFTError(f"bytes [{start}, {start + length}) leave node {lost}'s data at step {step}")
         out = np.zeros(length, dtype=np.uint8)
-        StripeReader(self, step, cs, {lost}).node_bytes(self.members.index(lost), start, out, self.piece)
+        # A reader asks the group for a member's bytes only once it could not reach that member.
+        StripeReader(self, step, cs, {lost}, lost_as="unreachable").node_bytes(self.members.index(lost), start, out,
+                                                                              self.piece)
         return out
 
     # ---- rebuilding ----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from ..smp.segments import read_record, unlink, write_record
 from ..snapshot import segment as seg
 from . import nodedata
 from .paritystore import BUILDING, PROTECTED, ParitySet
+from .transport import PeerUnavailable
 
 log = logging.getLogger("inmem_ft.ec")
 PIECE = 8 << 20  # default bytes per pull: amortises a round trip, bounds memory to k + m of them
@@ -50,11 +51,13 @@ class StripeReader:
     """Byte ranges of one block of a stripe at `step`, decoded from the same range of k other blocks; a source
     that fails is skipped (for good: `bad`) and the next block of the stripe is asked instead."""
 
-    def __init__(self, protector, step: int, chunk_size: int, lost, pool: ThreadPoolExecutor | None = None):
+    def __init__(self, protector, step: int, chunk_size: int, lost, pool: ThreadPoolExecutor | None = None,
+                 lost_as: str = "lost"):
         self.node, self.members, self.peers = protector.node, protector.members, protector.peers
         self.layout, self.step, self.cs = protector.layout, step, chunk_size
         self.lost = set(lost)  # nodes never asked
-        self.bad: dict[int, str] = {}  # node -> why it was skipped
+        self.lost_as = lost_as  # what those nodes are, for errors: lost (a rebuild) or unreachable (a read)
+        self.bad: dict[int, InmemFTError] = {}  # node -> why it was skipped
         self.pool = pool  # pulls of one piece run side by side when given
         self._bufs: dict[int, np.ndarray] = {}  # block -> its piece buffer, reused piece after piece
 
@@ -89,7 +92,7 @@ class StripeReader:
                 try:
                     blocks[src[0]] = self._pull(src, n) if future is None else future.result()
                 except InmemFTError as e:  # unreachable, refused, or failed its MAC (AuthError)
-                    self.bad[src[1]] = str(e)
+                    self.bad[src[1]] = e
                     log.warning("ec node=%d event=skip_source source=%d step=%d stripe=%d reason=%s: asking "
                                 "another survivor", self.node, src[1], self.step, stripe, e)
         self.layout.codec.decode(blocks, [want], {want: out})
@@ -112,11 +115,14 @@ class StripeReader:
         return self.peers.call(node, header, into=buf[:n])[1]
 
     def _too_few(self, stripe: int, exclude) -> str:
-        why = "; ".join(f"node {n}: {r}" for n, r in sorted(self.bad.items())) or "none skipped"
-        return (f"stripe {stripe} of step {self.step} has fewer than k={self.layout.k} usable blocks in EC group "
-                f"{self.members} (m={self.layout.m}): lost {sorted(self.lost)}"
-                f"{f', left out {sorted(exclude)}' if exclude else ''}, skipped: {why}; restore the job from the "
-                f"next tier (disk)")
+        # The nodes first (always more than m: the block wanted is on one of them), then what to do, then why
+        # each was skipped: the user acts on the first line of it.
+        state = {n: self.lost_as for n in self.lost} | {n: "left out" for n in exclude}
+        state |= {n: "unreachable" if isinstance(e, PeerUnavailable) else "failing" for n, e in self.bad.items()}
+        why = "; ".join(f"node {n}: {e}" for n, e in sorted(self.bad.items()))
+        return (f"nodes {sorted(state)} of EC group {self.members} are {' or '.join(sorted(set(state.values())))}, "
+                f"more than its parity m={self.layout.m} tolerates: stripe {stripe} of step {self.step} cannot be "
+                f"decoded; restore the job from the next tier (disk){f' ({why})' if why else ''}")
 
 
 class VerifyFailed(SnapshotCorrupt):

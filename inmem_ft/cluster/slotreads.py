@@ -174,16 +174,26 @@ class SlotReads:
         if self.protector is None:
             raise PeerUnavailable(f"node {lost} is unreachable ({why}) and this SMP runs without parity, so its "
                                   f"snapshots cannot be decoded; start the SMPs with --parity to survive node loss")
-        errors = []
-        for member in self.protector.groups.members(lost):
+        members, m = self.protector.groups.members(lost), self.protector.groups.m
+        errors: dict[int, Exception] = {lost: why}
+        for member in members:
             if member == lost:
                 continue
             try:
                 return self.peers.call(member, header, into=into)
-            except (PeerUnavailable, InmemFTError) as e:
-                errors.append(f"node {member}: {e}")
-        raise SnapshotLost(f"node {lost} is unreachable ({why}) and no member of its EC group could decode its "
-                           f"snapshots from parity ({'; '.join(errors)})")
+            except InmemFTError as e:  # PeerUnavailable included
+                errors[member] = e
+        unreachable = [n for n, e in errors.items() if isinstance(e, PeerUnavailable)]
+        if len(unreachable) > m:
+            # This alone explains the loss: what the members that did answer said follows from it.
+            what = (f"nodes {sorted(unreachable)} of EC group {members} are unreachable, more than its parity "
+                    f"m={m} tolerates")
+            errors = {n: errors[n] for n in unreachable}
+        else:  # a member holding parity answered but could not decode: its error says why
+            what = (f"node {lost} is unreachable and no member of EC group {members} could decode its snapshots "
+                    f"from parity")
+        raise SnapshotLost(f"{what}; restore the job from the next tier (disk) "
+                           f"({'; '.join(f'node {n}: {e}' for n, e in sorted(errors.items()))})")
 
     # ---- peer operations -------------------------------------------------------------------------------
     def _peer_slots(self, peer, header, payload):
