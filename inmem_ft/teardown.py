@@ -12,8 +12,9 @@ destroyed while the interpreter lives has its threads joined first (~ProcessGrou
 2. every process group is destroyed (torch.distributed.destroy_process_group: local for gloo, no collective;
    but ~ProcessGroupGloo joins the group's worker threads, and one still in a collective waits for its peers or
    the group's timeout, so the destroy is bounded: bounded());
-3. the exception's traceback is printed and dropped, and a collection run, so the frames it held (a DeepSpeed
-   engine and the group handles it keeps) let the groups go now, while the interpreter lives;
+3. the exception's traceback is printed (an InmemFTError gets one line instead: its message says what is wrong
+   and what to do) and dropped, and a collection run, so the frames it held (a DeepSpeed engine and the group
+   handles it keeps) let the groups go now, while the interpreter lives;
 4. if a gloo worker thread is still alive after that (a group something else still holds), the process ends
    with os._exit after flushing stdio and logging, the one way that cannot meet that thread during
    finalization; otherwise it exits normally (sys.exit), atexit handlers and all.
@@ -28,6 +29,8 @@ import os
 import sys
 import threading
 import traceback
+
+from .errors import InmemFTError
 
 log = logging.getLogger("inmem_ft.teardown")
 # Destroying a gloo group takes milliseconds: it is local. One that takes longer waits on something outside this
@@ -104,6 +107,9 @@ def run_main(main, *args, **kwargs) -> None:
     except KeyboardInterrupt:
         traceback.print_exc()
         code = 130
+    except InmemFTError as e:  # says what is wrong and what to do: one line, no traceback
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -136,9 +136,45 @@ def test_completed_step_missing_on_a_rank_fails_clearly_and_keeps_the_rest(job, 
         assert not attempt.ok
         log = cluster.rank_log(attempt.number, 0)
         assert "NoUsableSnapshot" in log and "completed step 4" in log and "INMEM_FT_START_FRESH=1" in log
+        assert "Traceback" not in log, log
         assert control.call(cluster.socket_path(0), "list", rank=0)["slots"][0]["step"] == 4  # kept
         attempt = cluster.run(example, extra_env={"INMEM_FT_START_FRESH": "1"})
         assert attempt.ok and "starting from scratch" in cluster.rank_log(attempt.number, 0)
+
+
+RESTORE_WITHOUT_ITS_SMP = """
+import torch.distributed as dist
+import inmem_ft
+from inmem_ft.smp import control
+from inmem_ft.teardown import run_main
+
+def main():
+    dist.init_process_group("gloo")
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=1))
+    if dist.get_rank() == 1:
+        control.stop(snap.config.socket_path)  # its SMP goes between the trainer's start and its restore
+    snap.restore()
+
+run_main(main)
+"""
+
+
+def test_a_rank_whose_smp_refuses_the_restore_fails_it_on_every_rank_with_one_line(job, runtime):
+    """A rank that cannot list its snapshots must not raise alone: its peers would wait in the restore's
+    agreement until its connection dropped and end with gloo's traceback. Every rank raises its error instead,
+    in one line and no traceback."""
+    with SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", RESTORE_WITHOUT_ITS_SMP], timeout_s=120)
+        assert not attempt.ok
+        said = {}
+        for rank, code in attempt.returncodes.items():
+            if code == -9:  # stopped by the launcher once the first rank failed
+                continue
+            log = cluster.rank_log(attempt.number, rank)
+            assert code == 1 and "Traceback" not in log, log
+            [said[rank]] = [line for line in log.splitlines() if line.startswith("SMPUnavailable: ")]
+        assert attempt.first_failure in said and len(set(said.values())) == 1, said
+        assert said[attempt.first_failure].startswith("SMPUnavailable: rank 1 cannot restore: the SMP on "), said
 
 
 def test_smp_keeps_but_never_adopts_another_releases_slot(job, runtime):

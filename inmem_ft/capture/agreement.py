@@ -151,6 +151,16 @@ class Agreement:
             dist.all_gather(out, mine, group=group)
         return [t.tolist() for t in out]
 
+    def gather_bytes(self, data: bytes, size: int) -> list[bytes]:
+        """Every rank's `data` (at most `size` bytes, `size` the same on every rank), indexed by rank."""
+        if not self.distributed:
+            return [data]
+        mine = torch.zeros(size, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with self._collective() as group:
+            out = all_gather_bytes(mine, group)
+        return [bytes(row.numpy()).rstrip(b"\0") for row in out.view(-1, size)]
 
     def mirror(self, group) -> "object | None":
         """A gloo group with the same members as `group` (which may be NCCL), usable from the commit thread.

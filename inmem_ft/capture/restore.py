@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import InmemFTError, LayoutChanged, LayoutMismatch, SnapshotCorrupt, UnknownFormat
+from ..errors import (InmemFTError, LayoutChanged, LayoutMismatch, SMPUnavailable, SnapshotCorrupt, SnapshotLost,
+                      UnknownFormat)
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology, layout_key
@@ -33,6 +34,9 @@ from .agreement import all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
 NO_STEP = -1
+SAID_MAX = 4096  # bytes of a rank's failure to list that its peers learn (the SMP's messages are one line)
+# What an SMP's list is refused with, by name: a peer raises the failing rank's error as its own class.
+_SAID = {cls.__name__: cls for cls in (SMPUnavailable, SnapshotLost, SnapshotCorrupt, UnknownFormat)}
 
 
 class NoUsableSnapshot(InmemFTError):
@@ -89,12 +93,12 @@ class Restorer:
 
     def restore(self, views: bool = False, defer_checks: bool = False):
         snap, clock = self.snap, _Clock()
-        listing = snap._smp.call("list", rank=snap.rank)
+        listing, failure = self._list()
         local = self._own_layout(self._candidates(listing["slots"]))
         clock.mark("list")
         opened, kept = self._open_other(local), None
         try:
-            rows = self._gather_candidates(local, listing, opened)
+            rows = self._gather_candidates(local, listing, failure, opened)
         except LayoutChanged as e:
             kept = e.opened
             raise
@@ -111,9 +115,9 @@ class Restorer:
         holds_any = any(row[4] for row in rows)
         lacks = [(want != NO_STEP and row[0] != want) or (row[0] == NO_STEP and holds_any) for row in rows]
         if any(lacks) and -snap._agree.min(-int(lacks[snap.rank] and self._pull())):
-            listing = snap._smp.call("list", rank=snap.rank)
+            listing, failure = self._list()
             local = self._own_layout(self._candidates(listing["slots"]))
-            rows = self._gather_candidates(local, listing)
+            rows = self._gather_candidates(local, listing, failure)
             clock.mark("pull")
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         while steps:
@@ -127,6 +131,16 @@ class Restorer:
         return self._nothing(rows)
 
     # ---- choosing the step ------------------------------------------------------------------------------
+    def _list(self) -> tuple[dict, InmemFTError | None]:
+        """This rank's SMP listing, or (an empty one, why there is none). A rank whose SMP refuses (its node's
+        snapshots are lost beyond what parity rebuilds, the SMP is gone) still joins the agreement, which
+        then fails the restore on every rank with the same error: one rank raising alone would leave its peers
+        in the collective until its connection drops, each ending with gloo's traceback instead of the cause."""
+        try:
+            return self.snap._smp.call("list", rank=self.snap.rank), None
+        except InmemFTError as e:
+            return {"slots": []}, e
+
     def _candidates(self, entries: list[dict]) -> list[_Candidate]:
         """The rank's committed slots whose header and manifest check out (regions are checked on the copy)."""
         out = []
@@ -177,17 +191,23 @@ class Restorer:
             log.info("restore rank=%d event=other_layout_unopened: %s", self.snap.rank, e)
             return None
 
-    def _gather_candidates(self, local: list[_Candidate], listing: dict, opened=None) -> list[list[int]]:
+    def _gather_candidates(self, local: list[_Candidate], listing: dict, failure: InmemFTError | None,
+                           opened=None) -> list[list[int]]:
         """Every rank's steps of this layout (two, padded), its newest step of another layout, the newest step
         its SMP knows the job completed, whether its SMP holds snapshots of any rank, the world size of that
-        other layout's snapshot, and the step `other` opened. Raises LayoutChanged when the newest snapshots
-        are of another layout."""
+        other layout's snapshot, the step `other` opened, and the length of its `failure` to list (0: none).
+        Raises the first failure on every rank when some rank had one (_failed), LayoutChanged when the newest
+        snapshots are of another layout."""
         snap, other = self.snap, self._foreign
         steps = [c.step for c in local][:2]
         known = NO_STEP if listing.get("complete_step") is None else int(listing["complete_step"])
+        said = _said(failure)
         rows = snap._agree.gather(steps + [NO_STEP] * (2 - len(steps)) + [
             other.step if other else NO_STEP, known, int(listing.get("holds_any", False)),
-            other.manifest["world_size"] if other else 0, opened.step if opened is not None else NO_STEP])
+            other.manifest["world_size"] if other else 0, opened.step if opened is not None else NO_STEP,
+            len(said)])
+        if any(row[7] for row in rows):
+            raise self._failed(rows, said, failure)
         foreign = max(row[2] for row in rows)
         if foreign != NO_STEP:
             complete = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
@@ -196,6 +216,17 @@ class Restorer:
                 settled = rows[0][6] != NO_STEP and all(row[6] == rows[0][6] for row in rows)
                 raise LayoutChanged(self._changed(rows, foreign), foreign, opened if settled else None)
         return rows
+
+    def _failed(self, rows: list[list[int]], said: bytes, failure: InmemFTError | None) -> InmemFTError:
+        """The error of the first rank that could not list its snapshots, for every rank to raise: each learns
+        its text in one more round (only on this path), so every rank's log ends with the same line."""
+        texts = self.snap._agree.gather_bytes(said, max(row[7] for row in rows))
+        first = next(r for r, row in enumerate(rows) if row[7])
+        name, _, message = texts[first].decode(errors="replace").partition(": ")
+        if failure is not None and first != self.snap.rank:  # this rank's own cause, unless it is the one raised
+            log.warning("restore rank=%d event=list_failed: %s: %s", self.snap.rank, type(failure).__name__,
+                        failure)
+        return _SAID.get(name, InmemFTError)(f"rank {first} cannot restore: {message}")
 
     def _changed(self, rows: list[list[int]], step: int) -> str:
         rank = next(r for r, row in enumerate(rows) if row[2] == step)
@@ -293,6 +324,11 @@ class Restorer:
                  candidate.source, info.seconds, nbytes,
                  " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))
         return state
+
+
+def _said(failure: InmemFTError | None) -> bytes:
+    """`failure` as its peers learn it: "Class: message", cut to SAID_MAX bytes; empty for none."""
+    return b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()[:SAID_MAX]
 
 
 def replicated_region(snap, manifest: dict, data: torch.Tensor, step: int, data_off: int, *,
