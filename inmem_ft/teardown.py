@@ -23,11 +23,14 @@ The exit code is the script's: main's return value (None: 0), SystemExit's code,
 itself would), 130 for KeyboardInterrupt."""
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import gc
 import logging
 import os
 import sys
 import threading
+import time
 import traceback
 
 from .errors import InmemFTError
@@ -37,6 +40,17 @@ log = logging.getLogger("inmem_ft.teardown")
 # rank (a group's worker thread still in a collective, or a connection held up by a peer), which may not end
 # before the group's own timeout: the exit goes on.
 DESTROY_TIMEOUT_S = 30.0
+# A gloo worker thread frees a finished collective's work under its group's mutex, and with it the Python object
+# of a tensor that Python let go of first, for which it takes the GIL. ~ProcessGroupGloo waits for that mutex, and
+# on torch 2.6 the binding runs it holding the GIL: a destroy right after a collective then waits forever (a
+# DeepSpeed ZeRO-3 rank of the tests/compat torch-2.6 combination hung at exit so). Before a destroy the GIL is
+# let go this long, so that the worker threads finish first; no collective of ours is in flight by then (close()
+# waits for them).
+SETTLE_S = 0.1
+# A destroy that waits holding the GIL all the same stops every thread of ours, the one bounding it too: then
+# faulthandler's watchdog (a thread of its own, in C) ends the process this long after the bound, every thread's
+# stack in the log, with exit code 1. It replaces a faulthandler.dump_traceback_later of the application's.
+WATCHDOG_GRACE_S = 15.0
 
 
 def gloo_threads() -> int:
@@ -65,26 +79,48 @@ def destroy_process_groups() -> None:
 
 
 def bounded(destroy, what: str, rank: int) -> None:
-    """Run `destroy()` on a thread of its own, waiting at most DESTROY_TIMEOUT_S, and raise what it raised.
-    ~ProcessGroupGloo runs without the GIL, so a destroy that cannot end holds up nothing but that daemon thread;
-    the rank goes on to exit and says so in one line (run_main then ends the process with os._exit, as it does
-    for any gloo thread left)."""
+    """Run `destroy()` on a thread of its own, after SETTLE_S, waiting at most DESTROY_TIMEOUT_S, and raise what it
+    raised. A destroy that cannot end (a worker thread in a collective with a peer that never joins) holds up
+    nothing but that daemon thread once it waits without the GIL: the rank goes on to exit and says so in one line
+    (run_main then ends the process with os._exit, as it does for any gloo thread left)."""
     failed: list[BaseException] = []
 
     def run():
         try:
+            time.sleep(SETTLE_S)
             destroy()
         except BaseException as e:  # raised in the caller's thread below
             failed.append(e)
 
     worker = threading.Thread(target=run, name="inmem_ft-destroy", daemon=True)
-    worker.start()
-    worker.join(DESTROY_TIMEOUT_S)
+    with watchdog(DESTROY_TIMEOUT_S + WATCHDOG_GRACE_S):
+        worker.start()
+        worker.join(DESTROY_TIMEOUT_S)
     if worker.is_alive():
         log.warning("teardown rank=%d event=teardown_stuck: destroying %s did not end in %.0f s; exiting without "
                     "waiting for it", rank, what, DESTROY_TIMEOUT_S)
     elif failed:
         raise failed[0]
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float):
+    """End the process (faulthandler: every thread's stack, exit code 1) if the block has not ended after
+    `seconds`, even where no Python thread can run any more. The outermost block's bound holds for those inside."""
+    global _watching
+    if _watching:
+        yield
+        return
+    _watching = True
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        _watching = False
+
+
+_watching = False
 
 
 def _code_of(exit: SystemExit) -> int:
@@ -114,12 +150,14 @@ def run_main(main, *args, **kwargs) -> None:
         traceback.print_exc()
         code = 1
     # The traceback is gone with the except clause: the frames it held, and the group handles in them, too.
-    try:
-        destroy_process_groups()
-    except Exception:
-        traceback.print_exc()  # the exit code stays the script's: a teardown failure must not hide its error
-        code = code or 1
-    gc.collect()
+    # Two bounded destroys (ours, the world's), then the collection that frees the groups the script still held.
+    with watchdog(2 * DESTROY_TIMEOUT_S + WATCHDOG_GRACE_S):
+        try:
+            destroy_process_groups()
+        except Exception:
+            traceback.print_exc()  # the exit code stays the script's: a teardown failure must not hide its error
+            code = code or 1
+        gc.collect()
     if "torch.distributed" in sys.modules and gloo_threads():
         # A gloo group that something still holds: finalization could meet its threads. Skip it.
         for stream in (sys.stdout, sys.stderr):

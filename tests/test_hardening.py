@@ -417,6 +417,52 @@ def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(
         assert "did not end in 2 s" in line and "closed" in log
 
 
+DESTROY_AFTER_A_COLLECTIVE = """
+import torch, torch.distributed as dist
+from inmem_ft import teardown
+
+dist.init_process_group("gloo")
+for _ in range(20):
+    group = dist.new_group(backend="gloo")
+    dist.all_reduce(torch.ones(1000), group=group)  # a tensor Python lets go of before the worker does
+    teardown.bounded(lambda: dist.destroy_process_group(group), "a group", dist.get_rank())
+    del group  # the script's own last reference, as a DeepSpeed engine's go: ~ProcessGroupGloo runs here
+print("destroyed", flush=True)
+teardown.bounded(dist.destroy_process_group, "the world", dist.get_rank())
+"""
+
+
+@pytest.mark.compat
+def test_a_group_destroyed_right_after_its_collective_ends_on_every_torch(job, runtime):
+    """On torch 2.6, ~ProcessGroupGloo runs holding the GIL and waits for the worker thread that frees the last
+    collective's work, which needs the GIL to free a tensor Python let go of: without teardown.SETTLE_S this test
+    hung in 1 of 3 runs there (and a DeepSpeed ZeRO-3 rank of the torch-2.6 combination at its exit)."""
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as cluster:
+        attempt = cluster.run(["-c", DESTROY_AFTER_A_COLLECTIVE], timeout_s=120)
+        logs = [cluster.rank_log(attempt.number, r) for r in (0, 1)]
+        assert attempt.ok and all("destroyed" in log and "teardown_stuck" not in log for log in logs), logs
+
+
+GIL_HELD_DESTROY = """
+import ctypes
+from inmem_ft import teardown
+
+teardown.DESTROY_TIMEOUT_S, teardown.WATCHDOG_GRACE_S = 1.0, 2.0
+# libc's sleep called through PyDLL keeps the GIL, as ~ProcessGroupGloo does on torch 2.6
+teardown.bounded(lambda: ctypes.PyDLL(None).sleep(120), "a group", 0)
+print("returned", flush=True)
+"""
+
+
+def test_a_destroy_that_holds_the_gil_still_ends_the_process_with_the_stacks_in_the_log():
+    """No Python thread runs while a destroy waits holding the GIL, the bounding one neither: faulthandler's C
+    watchdog ends the process past the bound, with exit code 1 and every thread's stack."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", GIL_HELD_DESTROY], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and time.monotonic() - t0 < 30, (out.returncode, out.stderr)
+    assert "returned" not in out.stdout and "Timeout (0:00:03)!" in out.stderr and "in bounded" in out.stderr
+
+
 STUCK_WORLD_DESTROY = """
 import os, time, torch, torch.distributed as dist
 from datetime import timedelta
