@@ -198,22 +198,28 @@ UNMARKED = textwrap.dedent("""
     from inmem_ft.errors import ConfigError
     from inmem_ft.examples.deepspeed_tp import GPT, ModelParallelUnit
     from inmem_ft.integrations.deepspeed import cpu_setup, install
+    from inmem_ft.teardown import run_main
 
-    torch.set_num_threads(1)
-    cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
-    mpu = ModelParallelUnit(PipeModelDataParallelTopology(1, 2, 1))
-    torch.manual_seed(0)
-    model = GPT(1, 16, 2, 0.0, mpu)
-    del model.blocks[0].fc1.weight.tensor_model_parallel  # a split parameter its module does not mark
-    engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), mpu=mpu, config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})[0]
-    try:
-        install(engine, config={"interval": 1})  # refused before the SMP is ever asked
-        print("said: accepted")
-    except ConfigError as e:
-        print("said:", e)
+    def main():
+        torch.set_num_threads(1)
+        cpu_setup()
+        deepspeed.init_distributed(dist_backend="gloo")
+        mpu = ModelParallelUnit(PipeModelDataParallelTopology(1, 2, 1))
+        torch.manual_seed(0)
+        model = GPT(1, 16, 2, 0.0, mpu)
+        del model.blocks[0].fc1.weight.tensor_model_parallel  # a split parameter its module does not mark
+        engine = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), mpu=mpu, config={
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})[0]
+        try:
+            install(engine, config={"interval": 1})  # refused before the SMP is ever asked
+            print("said: accepted")
+        except ConfigError as e:
+            print("said:", e)
+
+    # The groups go before the interpreter finalizes: a gloo worker freeing the last collective's tensors then
+    # would abort the rank (SIGABRT, "terminate called without an active exception"; teardown.py).
+    run_main(main)
 """)
 
 
