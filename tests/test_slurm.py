@@ -144,6 +144,9 @@ def test_rank_killed_recovers_from_memory_with_the_same_losses(slurm, submit, tm
 
 LONG = 60  # steps of the jobs stopped from outside: long enough that the stop comes mid-training
 LONG_EC = 300  # with time for the EC group to protect a step, and for SLURM to notice a lost node
+# slurmctld retries a refused connection once a second, min(MessageTimeout, 10) = 10 times (its default
+# MessageTimeout), so an RPC to a dead node's address can land up to ~10 s after it was sent; 2 s of margin.
+STALE_KILL_S = 12
 
 
 def wait_step(loss_log, step, timeout_s=300):
@@ -294,11 +297,16 @@ def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical
         unlink(seg)
     # SLURM notices (SlurmdTimeout), marks n1 down and re-queues the job; a replacement n1 comes up.
     assert slurm.wait_until(lambda: slurm.node_states().get("n1", "").startswith("down"), 120), slurm.node_states()
-    slurm.start_node("n1")
-    slurm.wait_idle(["n1"], 120)
+    down_at = time.monotonic()
     j.wait_state(job_id, {"PENDING"})
     j.wait_for(job_id, r"launch node=0 event=smp_stopped")
     before = len(logged(j.loss_log))  # the first allocation's trainers are gone
+    # The replacement comes up once slurmctld has stopped sending the lost allocation's terminate RPC to n1's
+    # address: a replacement that answered it ("already complete") after the job had started again would
+    # take n1 out of the new allocation (same job id), and its step would wait for a second node forever.
+    time.sleep(max(0.0, down_at + STALE_KILL_S - time.monotonic()))
+    slurm.start_node("n1")
+    slurm.wait_idle(["n1"], 120)
     assert slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
     j.wait_state(job_id, {"COMPLETED"})
     out = j.output(job_id)
