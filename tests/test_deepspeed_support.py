@@ -64,6 +64,8 @@ BUILD = textwrap.dedent("""
     support.check_supported(engine(Experts(), optimizer=ADAM, zero_optimization={"stage": 1}))  # MoE at ZeRO-1
     print("offload:", refusal(engine(torch.nn.Linear(4, 4), zero_force_ds_cpu_optimizer=False,
                                      zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})))
+    from inmem_ft.teardown import run_main
+    run_main(lambda: None)  # the gloo groups go before the interpreter finalizes (teardown.py)
 """)
 
 

@@ -64,6 +64,8 @@ SCRIPT = textwrap.dedent("""
         opt.fp32_partitioned_groups_flat[0].data_ptr()
     handle.close()
     print("RESULT " + json.dumps(out))
+    from inmem_ft.teardown import run_main
+    run_main(lambda: None)  # the gloo groups go before the interpreter finalizes (teardown.py)
 """)
 
 

@@ -47,6 +47,8 @@ DS_SCRIPT = textwrap.dedent("""
     out.update(step=handle.restored.step, tier=handle.restored.tier)
     handle.close()
     print("RESULT " + json.dumps(out))
+    from inmem_ft.teardown import run_main
+    run_main(lambda: None)  # the gloo groups go before the interpreter finalizes (teardown.py)
 """)
 
 
