@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from .. import telemetry
 from ..smp import control
 from ..launcher.worker import RECORD_DIR
-from . import hangs, rendezvous
+from . import hangs, lines, rendezvous
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
 from .standbys import StandbyPool, from_standbys, onto
@@ -31,7 +32,6 @@ class AgentOptions:
     job: str
     node: int
     socket: str
-    own_smp: bool  # else someone else starts and stops it
     memory_budget: str | None
     smp_args: list[str]
     hang_timeout_s: float  # 0: off
@@ -47,7 +47,7 @@ class InmemAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.opts = options
         self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
-                           self.say) if options.own_smp else None
+                           lines.sayer("launch", options.node))
         self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say)
         self._attempt = 0
         self._hb_dir = ""
@@ -58,16 +58,15 @@ class InmemAgent(LocalElasticAgent):
 
     def say(self, text: str) -> None:
         """One `[inmem_ft] agent node=N event=...` line in the job's log."""
-        print(f"[inmem_ft] agent node={self.opts.node} {text}", flush=True)
+        lines.say("agent", self.opts.node, text)
 
     def run(self, *args, **kwargs) -> RunResult:
-        os.makedirs(self.opts.work_dir, exist_ok=True)
+        os.makedirs(self.opts.work_dir, mode=0o700, exist_ok=True)
         if self._poll:
             poll, nodes = self._poll
             self.say(f"event=rdzv_poll poll_s={poll:g} nodes={nodes}: the rendezvous reads its store every "
                      f"{poll * 1000:g} ms while it waits (torch's own: every {rendezvous.MAX_S:g} s)")
-        if self.smp:
-            self.smp.start()
+        self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
                            "INMEM_FT_SMP_SOCKET": self.opts.socket})
         result, signalled = None, False
@@ -81,11 +80,25 @@ class InmemAgent(LocalElasticAgent):
             self.clock.close()
             if self.standbys:
                 self.standbys.stop()
-            if self.smp:
-                finished = result is not None and result.state == WorkerState.SUCCEEDED
-                wipe = self.opts.wipe_on_exit == "1" or (self.opts.wipe_on_exit == "finished" and finished
-                                                         and not signalled)
-                self.smp.stop(wipe, signalled)
+            self._stop_smp(result is not None and result.state == WorkerState.SUCCEEDED, signalled)
+
+    def _invoke_run(self, *args, **kwargs) -> RunResult:
+        try:
+            return super()._invoke_run(*args, **kwargs)
+        except SignalException as e:
+            # Stopped from outside (preemption, scancel, requeue, time limit): the SMP spills at once, before
+            # torch stops the ranks, which can take longer than the grace time before SIGKILL; the snapshots in
+            # memory are whole already.
+            self.smp.say(f"event=signal sig={signal.Signals(e.sigval).name.removeprefix('SIG')}")
+            self._stop_smp(False, True)
+            raise
+
+    def _stop_smp(self, finished: bool, signalled: bool) -> None:
+        """The wipe-on-exit rule: a run that finished (its ranks succeeded, no signal) leaves nothing to resume
+        from, so its snapshots are released; after a failure or a signal they stay for a re-queued job."""
+        rule = self.opts.wipe_on_exit
+        by_rule = rule == "finished" and finished and not signalled
+        self.smp.stop(rule == "1" or by_rule, signalled, reason="finished" if by_rule else "")
 
     # ---- torch's hooks ------------------------------------------------------------------------------------
     def _start_workers(self, worker_group, *args, **kwargs):
@@ -121,7 +134,7 @@ class InmemAgent(LocalElasticAgent):
         polled_at = time.time()
         result = super()._monitor_workers(worker_group, *args, **kwargs)
         beats = self._beats(worker_group)
-        if self.smp and not self.smp.alive():
+        if not self.smp.alive():
             lost = self.smp.pid
             self.say(f"event=smp_lost pid={lost}: starting a new one, then restarting the ranks")
             self.smp.start()  # before torch starts new ranks, which need it

@@ -1,7 +1,8 @@
 """The node's SMP for the length of an agent's run: started (or an SMP of the same job and node that outlived an
-earlier launcher reused) before the first ranks, started again should it die, stopped when the run ends, as
-launch_scripts/torchrun_inmem.sh does. Its snapshots stay in shared memory after a failure or a stop from
-outside, for a re-queued job; a new SMP adopts what a dead one left there."""
+earlier launcher reused) before the first ranks, started again should it die, stopped when the run ends. This is
+the only place that starts and stops a node's SMP for a job (the launch scripts exec `inmem-ft run`). Its
+snapshots stay in shared memory after a failure or a stop from outside, for a re-queued job; a new SMP adopts what
+a dead one left there."""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ class NodeSMP:
         self.job, self.node, self.socket, self.budget, self.extra, self.say = (job, node, socket, memory_budget,
                                                                                extra_args, say)
         self.pid: int | None = None
+        self.stopped = False  # stopped once: at a signal, before torch stops the ranks, and not again at the end
         # The per-job secret goes to the SMP alone: it leaves this process's environment, which the ranks inherit.
         self._secrets = {k: os.environ.pop(k) for k in SECRETS if k in os.environ}
 
@@ -50,9 +52,13 @@ class NodeSMP:
         poll, and never blocked by an SMP that is slow to answer)."""
         return self.pid is None or _state(self.pid) not in ("", "Z", "X")
 
-    def stop(self, wipe: bool, signalled: bool) -> None:
+    def stop(self, wipe: bool, signalled: bool, reason: str = "") -> None:
         """Stopped from outside (a preemption, scancel): SIGTERM, on which the SMP first spills its newest complete
-        step to its spill directory, if it has one, and only then `wipe`. Otherwise it is asked to shut down."""
+        step to its spill directory, if it has one, and only then `wipe`. Otherwise it is asked to shut down.
+        `reason` (why it wipes) goes into the log line."""
+        if self.stopped:
+            return
+        self.stopped = True
         if control.ping(self.socket) is None:
             self.say("event=smp_gone")
             return
@@ -67,7 +73,7 @@ class NodeSMP:
             self.say(f"event=smp_stopped wiped={int(wipe)} by=SIGTERM pid={self.pid}")
             return
         control.stop(self.socket, wipe=wipe)
-        self.say(f"event=smp_stopped wiped={int(wipe)}")
+        self.say(f"event=smp_stopped wiped={int(wipe)}" + (f" reason={reason}" if reason else ""))
 
 
 def _state(pid: int) -> str:

@@ -13,6 +13,7 @@ import sys
 
 from ..errors import InmemFTError
 from ..smp import paths
+from . import lines
 
 WORKER = "inmem_ft.launcher.worker"
 
@@ -59,9 +60,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", default=env("INMEM_FT_MEMORY_BUDGET"), metavar="SIZE",
                    help="shared memory this node's SMP may use, e.g. 64GiB; needed unless an SMP of this job "
                         "and node already runs (default: $INMEM_FT_MEMORY_BUDGET)")
-    g.add_argument("--no-smp", action="store_true",
-                   help="the node's SMP is started and stopped by someone else (launch_scripts/torchrun_inmem.sh): "
-                        "the agent only points the ranks at it (default: the agent starts and stops it)")
     g.add_argument("--smp-args", default=env("INMEM_FT_SMP_ARGS", ""), metavar="ARGS",
                    help="more `inmem-ft smp start` arguments, e.g. \"--parity 1 --nodes 4 --peers ...\" "
                         "(default: $INMEM_FT_SMP_ARGS)")
@@ -89,9 +87,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+STATIC_RESTARTS = ("torchrun's static rendezvous (its default without --standalone or --rdzv-backend) keeps one store "
+                   "for every restart, where the restarted ranks find the dead ranks' addresses (Gloo connectFullMesh "
+                   "... Connection refused): on one node use --standalone, else --rdzv-backend c10d --rdzv-endpoint "
+                   "HOST:PORT (or --max-restarts 0)")
+
+
 def options(args):
     from .agent import AgentOptions
 
+    if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
+        raise InmemFTError(STATIC_RESTARTS)
     job = args.job or (args.rdzv_id if args.rdzv_id != "none" else None)
     if not job:
         raise InmemFTError("give the job an id: --job (or INMEM_FT_JOB, or --rdzv-id), the same on every node")
@@ -105,7 +111,7 @@ def options(args):
     node = int(node)
     os.environ.setdefault("INMEM_FT_SMP_SOCKET", paths.default_socket(job, node))
     work_dir = args.work_dir or os.path.join(paths.job_dir(job), f"agent-node{node}")
-    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"], own_smp=not args.no_smp,
+    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"],
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
                         work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys,
@@ -134,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = options(args)
     except InmemFTError as e:
-        print(f"inmem-ft run: error: {e}", file=sys.stderr)
-        return 2
+        return lines.refuse(os.environ.get("INMEM_FT_NODE", args.node_rank), 2, str(e))
+    try:
+        # The SMP refuses a socket directory others can read: made owner-only before torch makes the log
+        # directory inside it (os.makedirs would give it the umask's mode, 0755 under the usual 022).
+        paths.make_private_dir(os.path.dirname(opts.socket))
+    except OSError as e:
+        return lines.refuse(opts.node, 2, str(e))
     through_worker(args)
     if not (args.redirects != "0" or args.tee != "0"):
         args.tee = "3"  # rank logs in files (their restore lines and stacks) and on the console, as before
@@ -150,14 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     launcher_api.LocalElasticAgent = functools.partial(InmemAgent, options=opts)
     try:
         torchrun.run(args)
+        rc = 0
     except ChildFailedError as e:
         print(f"inmem-ft run: error: {e.format_msg()}", file=sys.stderr)  # torchrun's report of the failures
-        return 1
+        rc = 1
     except InmemFTError as e:
-        print(f"inmem-ft run: error: {e}", file=sys.stderr)
-        return 3
+        return lines.refuse(opts.node, 3, str(e))
     except SignalException as e:  # the ranks and the SMP are stopped already
-        return 128 + int(e.sigval)
+        rc = 128 + int(e.sigval)
     finally:
         launcher_api.LocalElasticAgent = original
-    return 0
+    lines.say("launch", opts.node, f"event=torchrun_exit rc={rc}")
+    return rc
