@@ -236,6 +236,19 @@ def test_bad_input_is_refused_with_one_line(runtime, job, args, code, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_torchruns_static_rendezvous_with_restarts_is_refused_up_front(runtime):
+    """Issue 37: with torchrun's single-node defaults (static rendezvous, --master-port) every restart died in
+    Gloo's connectFullMesh while the agent blamed the standbys' imports; now one line says what to use."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "PET_"))}
+    env["INMEM_FT_RUNTIME_DIR"] = str(runtime / "run")
+    proc = subprocess.run([sys.executable, "-m", "inmem_ft", "run", "--job", "ok", "--master-port", "29999",
+                           "--nproc-per-node", "2", "--max-restarts", "1", "train.py"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("inmem-ft run: error:")]
+    assert "static rendezvous" in line and "--standalone" in line and "Traceback" not in proc.stderr
+
+
 def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, monkeypatch):
     """The hand-over torch's SubprocessHandler gets from agent/standbys.py: torchrun's worker command runs in the
     standby with exactly the given environment, its stdout and stderr into torch's files; any other command is

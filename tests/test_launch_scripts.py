@@ -276,3 +276,65 @@ def test_scripts_parse_and_pass_shellcheck(script):
         pytest.skip("shellcheck is not installed")
     proc = subprocess.run(["shellcheck", "-x", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def _records(log) -> list[dict]:
+    return [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+
+
+def test_smp_killed_under_the_script_is_restarted_protects_again_and_a_rank_kill_then_resumes_from_memory(
+        nodes, runtime):
+    """Issue 39: the agent, not the script, owns the node's SMP. Two nodes with erasure coding (parity 1), under
+    umask 022 and a fresh job id (issue 37: its directory must come out 0700): node 0's SMP gets SIGKILL, the agent
+    starts a new one that adopts the slots left in shared memory, the ranks restart and the next step is committed
+    and EC-protected again; then rank 0 gets SIGKILL and the ranks resume from memory; a step run again has the
+    very loss it had before."""
+    steps, log = 600, runtime / "loss.jsonl"  # long enough (~25 ms a step) for both kills to land mid-run
+    ports = [free_port(), free_port()]
+    peers = ",".join(f"{n}=127.0.0.1:{port}" for n, port in enumerate(ports))
+    env = script_env(nodes.runtime_dir, nodes.job, INMEM_FT_SECRET=uuid.uuid4().hex, INMEM_FT_MAX_RESTARTS=3,
+                     INMEM_FT_SMP_ARGS=f"--parity 1 --nodes 2 --peers {peers} --peer-wait 60")
+    outs = [runtime / f"node{n}.out" for n in range(2)]
+    procs = []
+    for node, out in enumerate(outs):
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen(["bash", SCRIPT, *EXAMPLE[:3], str(steps), "--interval", str(INTERVAL),
+                                           "--loss-log", str(log)], env={**env, "NODE_RANK": str(node)},
+                                          stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, cwd=runtime, preexec_fn=lambda: os.umask(0o022)))
+    nodes.procs += procs
+    sock = os.path.join(nodes.runtime_dir, nodes.job, "node0.sock")
+
+    def status():
+        try:
+            return control.call(sock, "status") if os.path.exists(sock) else None
+        except (OSError, control.SMPUnavailable):
+            return None
+
+    def wait(what, cond, timeout_s=180):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, (
+                f"waiting for {what}:\n" + "\n".join(o.read_text()[-3000:] for o in outs))
+            time.sleep(0.1)
+
+    first = {}
+    wait("a protected step", lambda: (first.update(status() or {}) or (first.get("ec") or {}).get("protected_step")))
+    old_pid, old_step = first["pid"], first["complete_step"]
+    os.kill(old_pid, signal.SIGKILL)
+    wait("a new SMP that protects a later step", lambda: (s := status()) and s["pid"] != old_pid
+         and (s["ec"] or {}).get("protected_step") and s["ec"]["protected_step"] > old_step)
+    assert (os.stat(os.path.dirname(sock)).st_mode & 0o777) == 0o700
+    victim = _records(log)[-1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    for p in procs:
+        assert p.wait(timeout=240) == 0, "\n".join(o.read_text()[-3000:] for o in outs)
+    text = outs[0].read_text() + outs[1].read_text()
+    assert f"[inmem_ft] agent node=0 event=smp_lost pid={old_pid}: starting a new one" in text, text
+    assert text.count("[inmem_ft] launch node=0 event=smp_started") == 2, text
+    assert len(re.findall(r"restore rank=\d+ step=\d+ source=memory", text)) >= 4, text  # after each of the kills
+    seen = {}
+    for rec in _records(log):
+        assert seen.setdefault(rec["step"], rec["loss"]) == rec["loss"], rec
+    assert max(seen) == steps and sorted(seen) == list(range(1, steps + 1))
+    assert len({rec["pid"] for rec in _records(log)}) == 3  # three attempts: before, after the SMP kill, after the rank's
