@@ -62,7 +62,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_MAX_RESTARTS", "`torchrun_inmem.sh`", "`3`", "count", "torchrun `--max-restarts`."),
     EnvVar("INMEM_FT_RDZV_BACKEND", "`torchrun_inmem.sh`", "`c10d`", "`c10d` or `static`",
            "torchrun's rendezvous. c10d orders nodes by `--local-addr`; static keeps `RANK = NODE_RANK x "
-           "NPROC_PER_NODE + LOCAL_RANK`."),
+           "NPROC_PER_NODE + LOCAL_RANK` and needs `INMEM_FT_MAX_RESTARTS=0` (torch's static store keeps the dead "
+           "ranks' addresses across restarts)."),
     EnvVar("INMEM_FT_LOCAL_ADDR", "`torchrun_inmem.sh`", "unset", "address",
            "This node's address for torchrun (`--local-addr`); c10d orders the nodes by it."),
     EnvVar("INMEM_FT_WIPE_ON_EXIT", "`torchrun_inmem.sh`", "`finished`", "`finished`, `1` or `0`",
@@ -93,8 +94,8 @@ VARIABLES: tuple[EnvVar, ...] = (
            "own: every second). `auto` keeps the store's load at most about what torch's second gives at 1000 "
            "nodes. Same as `inmem-ft run --rdzv-poll`."),
     EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
-           "`inmem` runs the node under `inmem-ft run`; `torchrun` under plain torchrun (no hang detection, no "
-           "time-lost report)."),
+           "`inmem` runs the node under `inmem-ft run`; `torchrun` keeps torch's restarts alone (hang detection and "
+           "standbys off); the agent owns the node's SMP either way."),
     # Set by the simulated cluster (launcher/simulated.py, the tests' and benchmarks' harness) and the agent.
     EnvVar("INMEM_FT_ATTEMPT", "ranks of the simulated cluster", "set by the launcher", "count from 1",
            "Which attempt (restart) of the job a rank belongs to.", internal=True),
