@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from . import assets, units
+from . import argtypes, assets, units
 from ._version import __version__
 from .cluster import survival
 from .planning import command as plan_command
@@ -37,24 +37,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def job_id(text: str) -> str:
-    """argparse type of --job: the name goes into paths and segment names, so a bad one is refused here,
-    one line naming the option, not a traceback where the first path is built."""
-    try:
-        return paths.check_job(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def node_id(text: str) -> int:
-    """argparse type of --node: an index from 0 (a negative one would name a socket node-1.sock)."""
-    try:
-        node = int(text)
-    except ValueError:
-        node = -1
-    if node < 0:
-        raise argparse.ArgumentTypeError(f"node id {text!r} must be an integer >= 0")
-    return node
+job_id = argtypes.job_id
+# --node: an index from 0 (a negative one would name a socket node-1.sock)
+node_id = argtypes.bounded(int, "node id {text!r} must be an integer >= 0", minimum=0)
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 
+from .. import argtypes
 from ..errors import InmemFTError
 from ..smp import paths
 from . import lines
@@ -18,20 +19,8 @@ from . import lines
 WORKER = "inmem_ft.launcher.worker"
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
-    return value
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return int(text)
+_seconds = argtypes.bounded(float, "{text!r} is not a number of seconds >= 0", minimum=0)
+_count = argtypes.bounded(int, "{text!r} is not a whole number >= 0", minimum=0)
 
 
 def _poll(text: str) -> float | None:

@@ -5,7 +5,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from .. import units
+from .. import argtypes, units
 from ..errors import ConfigError
 from ..units import human
 from . import inputs, plan as planning
@@ -20,15 +20,7 @@ KIND_HELP = {"node": "lose one node with its memory", "crash": "end the processe
 
 
 def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return value
-    return parse
+    return argtypes.bounded(kind, "{text!r} must be > 0", above=0, not_a_number="{text!r} is not a number")
 
 
 def _share(text: str) -> float:
@@ -41,14 +33,7 @@ def _share(text: str) -> float:
     return value
 
 
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+_non_negative = argtypes.bounded(float, "{text!r} must be >= 0", minimum=0, not_a_number="{text!r} is not a number")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

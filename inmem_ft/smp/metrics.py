@@ -12,21 +12,16 @@ import logging
 import os
 import threading
 
+from .. import argtypes
 from ..errors import ConfigError
 
 log = logging.getLogger("inmem_ft.smp")
 TEXTFILE_EVERY_S = 5.0  # node_exporter reads the file at each of its scrapes, typically every 15 s or more
 
 
-def port(text: str) -> int:
-    """argparse type of --metrics-port: a TCP port, 0 for none."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port {text!r} must be an integer from 1 to 65535, or 0 for no endpoint")
-    return value
+# --metrics-port: a TCP port, 0 for none
+port = argtypes.bounded(int, "port {text!r} must be an integer from 1 to 65535, or 0 for no endpoint", minimum=0,
+                        maximum=65535)
 
 
 def add_metrics_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,26 +9,13 @@ import argparse
 import dataclasses
 import json
 
+from ... import argtypes
 from ...config import InmemFTBlock
 from ...errors import ConfigError
-from ...smp import paths
 
 
-def _interval(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be an integer number of iterations >= 1")
-    return n
-
-
-def _job(value: str) -> str:
-    try:
-        return paths.check_job(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_interval = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 1", minimum=1)
+_job = argtypes.job_id
 
 
 def _config_file(path: str) -> str:
