@@ -1,4 +1,5 @@
-"""Time lost per failure through the shipped SLURM script: a killed rank under torchrun's cold restart, under
+"""Time lost per failure through the shipped SLURM script: a killed rank under torch's cold restart alone
+(INMEM_FT_AGENT=torchrun: `inmem-ft run` with hang detection and standbys off), under
 `inmem-ft run` with its warm standbys off and on (and on with torch's own 1 s rendezvous poll instead of the
 agent's scaled one), and a hung rank under `inmem-ft run` (detection included).
 

@@ -5,6 +5,7 @@ replaced node, a requeue, a preemption."""
 import json
 import os
 import re
+import signal
 import sys
 import time
 import warnings
@@ -319,3 +320,46 @@ def test_lost_node_replaced_is_rebuilt_by_its_ec_group_and_resumes_bit_identical
     lines = logged(j.loss_log)
     assert_resumed_exactly(dict(lines[:before]), dict(lines[before:]), step, LONG_EC)
     assert_batch_outlived_its_step(slurm, job_id, ["n0"])  # n1's tasks died with it
+
+
+@pytest.mark.slow
+def test_smp_killed_under_the_sbatch_script_is_restarted_protects_again_and_a_rank_kill_resumes(slurm, submit,
+                                                                                                  runtime, job):
+    """Issue 39 under the real SLURM: node 0's SMP gets SIGKILL; its agent (inmem-ft run, which the script execs)
+    starts a new one that adopts the slots and protects a later step (parity 1); then a rank gets SIGKILL and the
+    ranks resume from memory; every step run twice has the very loss it had the first time."""
+    j = submit(INMEM_FT_PARITY=1, INMEM_FT_PEER_PORT=free_port())
+    job_id = j.submit(steps=LONG_EC)
+    sock = str(runtime / "run" / job / "node0.sock")
+
+    def status():
+        try:
+            return control.call(sock, "status") if os.path.exists(sock) else None
+        except (OSError, SMPUnavailable):
+            return None
+
+    def wait(what, cond, timeout_s=300):
+        deadline = time.monotonic() + timeout_s
+        while not (found := cond()):
+            assert time.monotonic() < deadline, f"{what}:\n{j.output(job_id)[-6000:]}"
+            time.sleep(0.2)
+        return found
+
+    first = wait("a protected step", lambda: (s := status()) and (s["ec"] or {}).get("protected_step") and s)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait("a new SMP protecting a later step", lambda: (s := status()) and s["pid"] != first["pid"]
+         and ((s["ec"] or {}).get("protected_step") or 0) > first["complete_step"])
+    os.kill(logged_pids(j.loss_log)[-1], signal.SIGKILL)
+    assert j.wait_state(job_id, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=480) == "COMPLETED", \
+        j.output(job_id)[-6000:]
+    out = j.output(job_id)
+    assert f"[inmem_ft] agent node=0 event=smp_lost pid={first['pid']}: starting a new one" in out, out[-6000:]
+    assert len(re.findall(r"restore rank=\d step=\d+ source=memory", out)) >= 8, out[-6000:]  # 4 ranks, twice
+    seen = {}
+    for step, loss in logged(j.loss_log):
+        assert seen.setdefault(step, loss) == loss, step
+    assert sorted(seen) == list(range(1, LONG_EC + 1))
+
+
+def logged_pids(loss_log) -> list[int]:
+    return [rec["pid"] for rec in map(json.loads, open(loss_log))]
