@@ -34,7 +34,7 @@ def check_install(tmp_path):
     # A copy: setuptools writes build/ and *.egg-info beside the sources it builds.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(os.path.join(ROOT, name), src / name)
     shutil.copytree(os.path.join(ROOT, "inmem_ft"), src / "inmem_ft", ignore=shutil.ignore_patterns("__pycache__"))
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
