@@ -346,9 +346,11 @@ def test_smp_killed_under_the_sbatch_script_is_restarted_protects_again_and_a_ra
         return found
 
     first = wait("a protected step", lambda: (s := status()) and (s["ec"] or {}).get("protected_step") and s)
+    before = logged_pids(j.loss_log)[-1]
     os.kill(first["pid"], signal.SIGKILL)
-    wait("a new SMP protecting a later step", lambda: (s := status()) and s["pid"] != first["pid"]
-         and ((s["ec"] or {}).get("protected_step") or 0) > first["complete_step"])
+    wait("a new SMP protecting a later step, under restarted ranks", lambda: (s := status())
+         and s["pid"] != first["pid"] and ((s["ec"] or {}).get("protected_step") or 0) > first["complete_step"]
+         and logged_pids(j.loss_log)[-1] != before)
     os.kill(logged_pids(j.loss_log)[-1], signal.SIGKILL)
     assert j.wait_state(job_id, ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"), timeout_s=480) == "COMPLETED", \
         j.output(job_id)[-6000:]
