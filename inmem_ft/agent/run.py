@@ -70,12 +70,13 @@ def parser() -> argparse.ArgumentParser:
                         "$INMEM_FT_RDZV_POLL)")
     g.add_argument("--work-dir", default=None, metavar="DIR",
                    help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
-    g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=("finished", "1", "0"),
+    g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=WIPE_RULES,
                    help="when this node's snapshots leave shared memory as the run ends: finished (the ranks "
                         "succeeded), 1 (always), 0 (never) (default: finished, or $INMEM_FT_WIPE_ON_EXIT)")
     return p
 
 
+WIPE_RULES = ("finished", "1", "0")
 STATIC_RESTARTS = ("torchrun's static rendezvous (its default without --standalone or --rdzv-backend) keeps one store "
                    "for every restart, where the restarted ranks find the dead ranks' addresses (Gloo connectFullMesh "
                    "... Connection refused): on one node use --standalone, else --rdzv-backend c10d --rdzv-endpoint "
@@ -87,6 +88,8 @@ def options(args):
 
     if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
         raise InmemFTError(STATIC_RESTARTS)
+    if args.wipe_on_exit not in WIPE_RULES:  # argparse checks a given value only, not $INMEM_FT_WIPE_ON_EXIT
+        raise InmemFTError(f"--wipe-on-exit / INMEM_FT_WIPE_ON_EXIT {args.wipe_on_exit!r} must be finished, 1 or 0")
     job = args.job or (args.rdzv_id if args.rdzv_id != "none" else None)
     if not job:
         raise InmemFTError("give the job an id: --job (or INMEM_FT_JOB, or --rdzv-id), the same on every node")
