@@ -42,17 +42,22 @@ class TrustRecord:
             self.losses, self.bad, self.pending = {}, {}, None
 
     def _save(self) -> None:
+        if not (self.losses or self.bad or self.pending is not None):
+            unlink(self.name)  # nothing to remember: no file beside the slots
+            return
         write_record(self.name, json.dumps({
             "losses": [[r, s, v] for (r, s), v in sorted(self.losses.items())],
             "bad": sorted(self.bad.items())[-KEEP_BAD:], "pending": self.pending}))
 
     def committed(self, rank: int, step: int, losses, held) -> None:
         """Rank `rank` committed `step` with `losses` (or None); `held`: the steps its slots still hold."""
-        if losses is not None:
+        before = dict(self.losses)
+        if losses:
             self.losses[(rank, step)] = [float(x) for x in losses]
         for key in [k for k in self.losses if k[0] == rank and k[1] not in held]:
             del self.losses[key]
-        self._save()
+        if self.losses != before:
+            self._save()
 
     def mark_bad(self, step: int, why: str) -> int | None:
         """A sentinel tripped on a restore from `step`: the step of the trip before it, if none passed since."""
