@@ -24,6 +24,13 @@ def _interval(value: str) -> int:
     return n
 
 
+def _sentinel_steps(value: str) -> int:
+    n = int(value) if value.isdigit() else -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be an integer number of iterations >= 0 (0: off)")
+    return n
+
+
 def _job(value: str) -> str:
     try:
         return paths.check_job(value)
@@ -47,6 +54,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="snapshot the training state into the node's SMP and restore from it on start")
     g.add_argument("--inmem-ft-interval", type=_interval, default=None, metavar="N",
                    help="snapshot every N iterations (default: the config's interval, else 100)")
+    g.add_argument("--inmem-ft-sentinel-steps", type=_sentinel_steps, default=None, metavar="N",
+                   help="iterations after a restore whose loss is screened for NaN/Inf or a spike (default: the "
+                        "config's sentinel_steps, else 20; 0: off)")
     g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
@@ -68,6 +78,7 @@ def read_block(path: str) -> InmemFTBlock:
 def block_from_args(args) -> InmemFTBlock:
     """The block of --inmem-ft-config with the command line's interval and job over it."""
     block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
-    overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job))
+    overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job),
+                                   ("sentinel_steps", getattr(args, "inmem_ft_sentinel_steps", None)))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)
