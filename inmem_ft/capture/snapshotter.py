@@ -488,7 +488,9 @@ class Snapshotter:
         if not was_armed:
             return
         # Every rank decides together (a spike may show on some ranks only): one that raised alone would leave
-        # the others in the next collective.
+        # the others in the next collective. The commit thread votes on the same group: its vote goes first, or
+        # two threads' collectives could pair up differently on different ranks.
+        self.wait()
         if self._agree.min(int(trip is None)):
             if not self._sentinel.armed:
                 self._smp.call("sentinel_passed")
