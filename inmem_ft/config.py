@@ -55,6 +55,9 @@ class SnapshotConfig:
     start_fresh: bool = False
     """Train from scratch when the SMPs hold snapshots of a completed step that cannot be restored on every
     rank (default: fail and say why, keeping them)."""
+    sentinel_steps: int = 20
+    """Steps after a restore whose loss (and gradient norm) are screened: a NaN/Inf, or a loss above the bound
+    learned from the losses the snapshot recorded, marks the restored step bad (capture/sentinel.py); 0: off."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -79,6 +82,8 @@ class SnapshotConfig:
             bad("timeout_s", "must be a positive number of seconds")
         if not isinstance(self.start_fresh, bool):
             bad("start_fresh", "must be true or false")
+        if not _is_int(self.sentinel_steps) or self.sentinel_steps < 0:
+            bad("sentinel_steps", "must be an integer >= 0 (steps screened after a restore; 0 turns the check off)")
 
     @property
     def socket_path(self) -> str:
@@ -145,6 +150,9 @@ class InmemFTBlock:
     split (Megatron's `tensor_model_parallel`/`partition_dim` attributes). A pattern (fnmatch) matches the
     parameter's module name or its shard-map key; dim is the one its TP slices are cut along, null: the same
     on every TP rank. The first matching pattern applies."""
+    sentinel_steps: int = 20
+    """Steps after a restore whose loss (and gradient norm) are screened for NaN/Inf or a spike; a trip marks the
+    restored step bad and the job resumes from an older one once restarted (capture/sentinel.py); 0: off."""
     allow_untested: bool = False
     """Run on a DeepSpeed / megatron-core release outside inmem_ft.compat's tested range, with a warning
     (as $INMEM_FT_ALLOW_UNTESTED=1 does); by default such a release is refused at start."""
@@ -205,7 +213,7 @@ class InmemFTBlock:
         """The trainer-side SnapshotConfig: this block's values over what the launch scripts export."""
         mine = {"interval": self.interval, "on_error": self.on_error, "timeout_s": self.timeout_s,
                 "staging_budget": self.staging_budget, "job": self.job, "smp_socket": self.smp_socket,
-                "start_fresh": self.start_fresh}
+                "start_fresh": self.start_fresh, "sentinel_steps": self.sentinel_steps}
         return SnapshotConfig.from_env(**{k: v for k, v in mine.items() if v is not None}, **env_overrides)
 
     @classmethod

@@ -59,3 +59,13 @@ class CatalogHole(InmemFTError):
 class ForeignSegment(InmemFTError):
     """A shared-memory file (or the private directory) that this user's SMP did not create: another owner,
     loose permissions, a link. It is refused and left in place, never adopted."""
+
+
+class RestoredStateBad(InmemFTError):
+    """The steps after a restore went bad (NaN/Inf, or a loss spike): the restored step is marked bad on every
+    SMP and never restored again; restart the job (a supervisor does) and it resumes from an older step.
+    `fatal`: two trips in a row, the job stops instead."""
+
+    def __init__(self, message: str, step: int, fatal: bool = False):
+        super().__init__(message)
+        self.step, self.fatal = step, fatal

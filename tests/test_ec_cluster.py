@@ -111,6 +111,28 @@ def test_every_loss_of_at_most_m_nodes_rebuilds_byte_identical(job, runtime, m):
         cluster.stop()
 
 
+@pytest.mark.slow
+def test_a_member_that_answers_late_is_not_taken_for_lost(job, runtime):
+    """Issue 40: a replacement that finds one more member silent than parity covers asks it again past the
+    quiet period before counting it out; a member back by then (an SMP restarted with its memory) serves."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        wait_protected(cluster, 1)
+        original = protected_bytes(cluster, 1)
+        cluster.kill_smp(3)  # its memory stays: slow, not lost
+        replace(cluster, (1,))
+        wait_for_log(cluster.smp_log(1), "event=rebuild_wait nodes=[3]", 30)
+        cluster.start_smp(3)
+        deadline = time.monotonic() + 60
+        while (state := control.call(cluster.socket_path(1), "status")["ec"]["rebuild"]) == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert state == "ok" and protected_bytes(cluster, 1) == original
+    finally:
+        cluster.stop()
+
+
 def test_more_than_m_lost_names_the_nodes_and_restore_fails_clearly(job, runtime):
     cluster = make_cluster(job, runtime, 1)
     try:

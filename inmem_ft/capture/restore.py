@@ -53,6 +53,8 @@ class RestoreInfo:
     """A file that holds the restored snapshot (its shared-memory slot), for loaders that want a path."""
     phases: dict = field(default_factory=dict)
     """Seconds per phase: list, agree, copy_verify, replicated, unpack (adapters add their own)."""
+    losses: list = field(default_factory=list)
+    """The losses this rank's snapshot recorded of the steps before it, oldest first (capture/sentinel.py)."""
 
 
 @dataclass
@@ -61,6 +63,7 @@ class _Candidate:
     attached: object
     manifest: dict
     source: str
+    losses: list = field(default_factory=list)
 
 
 class _Clock:
@@ -153,7 +156,7 @@ class Restorer:
                             self.snap.rank, entry["step"],
                             "unknown_format" if isinstance(e, UnknownFormat) else "corrupt", e)
                 continue
-            out.append(_Candidate(entry["step"], attached, manifest, entry["source"]))
+            out.append(_Candidate(entry["step"], attached, manifest, entry["source"], entry.get("losses", [])))
         return out
 
     def _pull(self) -> bool:
@@ -309,7 +312,7 @@ class Restorer:
     def _finish(self, step, state, candidate: _Candidate, nbytes: int, clock: _Clock, later):
         snap = self.snap
         info = RestoreInfo(step, candidate.source, clock.total, nbytes, path_of(candidate.attached.segment.name),
-                           dict(clock.phases))
+                           dict(clock.phases), list(candidate.losses))
         snap.resumed(info)
         if later is not None:
             snap.before_change(later)

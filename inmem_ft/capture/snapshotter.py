@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import SnapshotConfig
-from ..errors import BudgetExceeded, InmemFTError
+from ..errors import BudgetExceeded, InmemFTError, RestoredStateBad
 from ..smp.client import SMPClient
 from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
@@ -32,6 +32,7 @@ from .agreement import Agreement
 from .copier import Copier
 from .plans import PlanCache, StalePlan
 from .restore import NO_STEP, RestoreInfo, Restorer
+from .sentinel import Sentinel
 
 log = logging.getLogger("inmem_ft.capture")
 
@@ -56,6 +57,7 @@ class Metrics:
     planned: int = 0  # snapshots laid out afresh (the first, and any after the state's structure changed)
     stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
     last_committed: dict | None = None  # {step, stall_s, commit_s, bytes} of the newest committed snapshot
+    sentinel_trips: int = 0  # restored steps the check after a restore found bad (capture/sentinel.py)
 
     def add_stall(self, seconds: float) -> None:
         self.last_stall_s = seconds
@@ -172,6 +174,7 @@ class Snapshotter:
         self.metrics = Metrics()
         self.last_restore: RestoreInfo | None = None
         self._heartbeat = Heartbeat.from_env(self.rank)
+        self._sentinel = Sentinel(self.config.sentinel_steps)
 
     # ---- saving -----------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -235,7 +238,7 @@ class Snapshotter:
         written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work) \
             if error is None else None
         # Submitted even after an error: every rank must take part in the step's agreement.
-        self._pending = commit = self._pool.submit(self._finish, step, written, error)
+        self._pending = commit = self._pool.submit(self._finish, step, written, error, self._sentinel.recorded())
         if fatal:
             with contextlib.suppress(Exception):
                 self.wait()  # the vote first, so no other rank waits for this one
@@ -311,7 +314,7 @@ class Snapshotter:
         """Fence automatically before every `optimizer.step()` (a torch.optim step pre-hook)."""
         optimizer.register_step_pre_hook(lambda *_: self.fence())
 
-    def _finish(self, step: int, w: "_Written | None", error) -> None:
+    def _finish(self, step: int, w: "_Written | None", error, losses: list) -> None:
         t0 = time.perf_counter()
         if error is None:
             try:
@@ -337,7 +340,7 @@ class Snapshotter:
                     raise StalePlan(f"step {step}: its manifest ({len(raw)} bytes) outgrew the room reserved for it "
                                     f"({w.manifest_len} bytes); the next snapshot is laid out afresh")
                 w.target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + w.manifest_len] = raw.ljust(w.manifest_len)
-                self._smp.call("commit", rank=self.rank, step=step)
+                self._smp.call("commit", rank=self.rank, step=step, losses=losses)
             except Exception as e:  # whatever it is, the vote below must run on every rank
                 error = e
         if isinstance(error, StalePlan):
@@ -462,12 +465,55 @@ class Snapshotter:
 
     def resumed(self, info: RestoreInfo) -> None:
         """The job resumes from `info.step` (restored here, or rebuilt from another layout's snapshots by an
-        adapter): the SMP drops this rank's newer slots and keeps that step until a newer one is complete."""
+        adapter): the SMP drops this rank's newer slots and keeps that step until a newer one is complete. The
+        next `config.sentinel_steps` steps are screened (see observe)."""
         self._smp.call("restored", rank=self.rank, step=info.step)
+        self._sentinel.arm(info.step, info.losses)
         self._complete = info.step
         self.last_restore = info
         if self._heartbeat:
             self._heartbeat.beat(step=info.step, restored=vars(info))
+
+    def observe(self, step: int, loss, grad_norm=None) -> None:
+        """Hand each trained step's loss (a float or 0-d tensor) and, where the framework computes it, the
+        gradient norm to the check after a restore (capture/sentinel.py); the adapters call it, a plain loop
+        calls it after each optimizer step. The snapshot keeps the last losses, to learn the bound from.
+
+        Within `config.sentinel_steps` steps of a restore, a NaN/Inf or a loss above that bound marks the
+        restored step bad on this rank's SMP (every node's SMP hears it from its own ranks), so that no tier
+        restores it again, and raises RestoredStateBad: the job restarts (its supervisor restarts it) from the
+        newest older good step. A trip again before a restore passed the check stops the job, naming both."""
+        was_armed = self._sentinel.armed
+        trip = self._sentinel.observe(step, loss, grad_norm)
+        if not was_armed:
+            return
+        # Every rank decides together (a spike may show on some ranks only): one that raised alone would leave
+        # the others in the next collective. The commit thread votes on the same group: its vote goes first, or
+        # two threads' collectives could pair up differently on different ranks.
+        self.wait()
+        if self._agree.min(int(trip is None)):
+            if not self._sentinel.armed:
+                self._smp.call("sentinel_passed")
+            return
+        if trip is None:
+            self._sentinel.disarm()
+            restored = self.last_restore.step if self.last_restore else NO_STEP
+            why = f"step {step} after the restore from step {restored}: another rank's check tripped"
+        else:
+            restored = trip.restored
+            why = f"step {trip.step} after the restore from step {restored}: {trip.why}"
+        self.metrics.sentinel_trips += 1
+        before = self._smp.call("bad", step=restored, why=why[:1024])["before"]
+        if before is not None:
+            raise RestoredStateBad(
+                f"inmem_ft: the state restored from step {before} and then the one from step {restored} both went "
+                f"bad ({why}): the job stops instead of walking back further; look for bad data or a bad host, then "
+                f"restart it (both steps stay marked bad: `inmem-ft smp status`)", restored, fatal=True)
+        log.error("restore rank=%d step=%d event=sentinel_trip reason=%s: step %d is marked bad and never restored "
+                  "again; restart the job to resume from an older step", self.rank, restored, why, restored)
+        raise RestoredStateBad(f"inmem_ft: {why}: step {restored} is marked bad on every SMP and will not be "
+                               f"restored again; restart the job and it resumes from the newest older good step",
+                               restored)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -46,6 +46,9 @@ PEER_FAILED_GRACE_S = 5.0
 # Waits before each retry of a protection that failed for a transient reason (a peer unreachable or too slow to
 # answer). The first is longer than the transport's QUIET_S, in which a peer that timed out is not dialled again.
 RETRY_DELAYS_S = (transport.QUIET_S + 1.0, 2 * (transport.QUIET_S + 1.0))
+# How long an empty SMP keeps asking group members that did not answer, before a rebuild counts them out: a
+# member a loaded host lets answer late is slow, not lost (two more rounds past the transport's quiet period).
+REACH_RETRY_S = 2 * (transport.QUIET_S + 1.0)
 
 
 class PeerGaveUp(InmemFTError):
@@ -399,39 +402,80 @@ class Protector:
                 self.rebuild_done.set()
                 self.smp.cond.notify_all()
 
-    def _peer_states(self) -> dict:
-        """What each reachable peer holds, waiting up to peer_wait_s for those not (yet) listening."""
-        states, pending = {}, dict(self.clients)
-        deadline = time.monotonic() + self.peer_wait_s
+    def _peer_states(self, wait_s: float, only=None) -> tuple[dict, dict]:
+        """(node -> state, node -> why unreachable) of the peers (of `only`, default all), asking those not
+        answering again until `wait_s` has passed (each round waits out the transport's quiet period)."""
+        states, unreachable = {}, {}
+        pending = {n: c for n, c in self.clients.items() if only is None or n in only}
+        deadline = time.monotonic() + wait_s
         while pending:
             for n, client in list(pending.items()):
                 try:
                     states[n] = client.call({"op": "state"})[0]
                     del pending[n]
-                except PeerUnavailable:
-                    pass
+                    unreachable.pop(n, None)
+                except PeerUnavailable as e:
+                    unreachable[n] = e
             if not pending or time.monotonic() > deadline:
                 break
-            time.sleep(0.5)
-        return states
+            time.sleep(min(transport.QUIET_S + 0.5, max(0.5, deadline - time.monotonic())))
+        return states, unreachable
 
     def _rebuild(self, was: dict | None) -> None:
         """`was`: the record of a rebuild this node's previous SMP did not finish, or None."""
-        states = {n: st for n, st in self._peer_states().items() if not st["rebuilding"] and st["built"]}
-        if not states:
+        states, unreachable = self._peer_states(self.peer_wait_s)
+        holders = {n: st for n, st in states.items() if not st["rebuilding"] and st["built"]}
+        if not holders:
             if was is not None:
                 rebuild.forget(self.smp)
                 raise SnapshotLost(f"node {self.node} was rebuilding step {was.get('step')} when its SMP stopped, "
                                    f"and no member of EC group {self.members} holds parity now; restore the job "
                                    f"from the next tier (disk)")
             return  # a fresh job: nobody holds parity yet
-        lost = [n for n in self.members if n not in states]
-        usable = set.intersection(*({int(s) for s in st["built"]} & set(st["data"]) for st in states.values()))
+        if was is None and self._holds_data():
+            # Empty when this SMP started, but the job committed here while the group was asked (a loaded host
+            # answers late): parity the group built since covers these very slots, not a lost node's.
+            log.info("ec node=%d event=rebuild_skip reason=the job committed snapshots here while its group was "
+                     "asked: this node is not a replacement", self.node)
+            return
+        if unreachable and len(self.members) - 1 - len(holders) > self.groups.m - 1:
+            # A peer that answered late is slow, not lost: ask it again (past the transport's quiet period)
+            # before the rebuild counts it out.
+            log.warning("ec node=%d event=rebuild_wait nodes=%s reason=%s", self.node, sorted(unreachable),
+                        "; ".join(f"node {n}: {e}" for n, e in sorted(unreachable.items())))
+            more, unreachable = self._peer_states(max(self.peer_wait_s, REACH_RETRY_S), only=set(unreachable))
+            holders |= {n: st for n, st in more.items() if not st["rebuilding"] and st["built"]}
+            if was is None and self._holds_data():
+                log.info("ec node=%d event=rebuild_skip reason=the job committed snapshots here while its group "
+                         "was asked: this node is not a replacement", self.node)
+                return
+        lost = [n for n in self.members if n not in holders]
+        usable = set.intersection(*({int(s) for s in st["built"]} & set(st["data"]) for st in holders.values()))
         if len(lost) > self.groups.m or not usable:
+            why = "; ".join(f"node {n}: {_rebuild_why(n, self.node, states, unreachable)}" for n in lost)
             raise SnapshotLost(
-                f"nodes {lost} of EC group {self.members} are lost (or hold no common protected step), but its "
-                f"parity m={self.groups.m} tolerates at most {self.groups.m}: the in-memory snapshot of node "
-                f"{self.node} cannot be rebuilt; restore the job from the next tier (disk)")
+                f"nodes {lost} of EC group {self.members} are lost, unreachable or hold no common protected step, "
+                f"but its parity m={self.groups.m} tolerates at most {self.groups.m}: the "
+                f"in-memory snapshot of node {self.node} cannot be rebuilt; restore the job from the next tier "
+                f"(disk) ({why})")
         step = max(usable)
-        rebuild.Rebuild(self, step, next(iter(states.values()))["built"][str(step)], lost, self.piece, was).run()
+        rebuild.Rebuild(self, step, next(iter(holders.values()))["built"][str(step)], lost, self.piece, was).run()
         self.rebuilds += 1
+
+    def _holds_data(self) -> bool:
+        with self.smp.lock:
+            return bool(self.smp.committed())
+
+
+def _rebuild_why(n: int, me: int, states: dict, unreachable: dict) -> str:
+    """Why member `n` cannot serve node `me`'s rebuild, for the error that names it."""
+    if n == me:
+        return "this node, empty"
+    if n in unreachable:
+        return f"unreachable ({unreachable[n]})"
+    st = states.get(n)
+    if st is None:
+        return "did not answer"
+    if st["rebuilding"]:
+        return "rebuilding itself"
+    return "holds no parity" if not st["built"] else f"holds parity of steps {sorted(map(int, st['built']))}"

@@ -22,6 +22,7 @@ from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
 from ..units import human
 from . import fields, paths, protocol, segments
+from .trust import TrustRecord
 from .segments import (Segment, capacity, held_bytes, how_to_enlarge, names_with_prefix, path_of, read_record, unlink,
                        write_record)
 
@@ -30,8 +31,9 @@ SLOTS_PER_RANK = 2
 # How long a `list` on a replacement node waits for its rebuild (the trainer's own timeout is longer).
 REBUILD_WAIT_S = 540.0
 # The events SMP.counts counts: commits sealed, snapshots skipped (a begin found both slots pinned), slots found
-# torn (a write that never committed) and corrupt (failing a checksum), each discarded.
-COUNTS = ("commits", "skipped", "torn", "corrupt")
+# torn (a write that never committed) and corrupt (failing a checksum), each discarded; sentinel trips (a restored
+# step found bad by the check after a restore, capture/sentinel.py).
+COUNTS = ("commits", "skipped", "torn", "corrupt", "sentinel_trips")
 
 
 # Error classes the client raises again from a reply's `code` (smp/client.py maps them back).
@@ -92,6 +94,7 @@ class SMP:
         self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
         self.counts = dict.fromkeys(COUNTS, 0)
+        self.trust = TrustRecord(job, node)  # recorded losses and bad steps (smp/trust.py)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -149,6 +152,7 @@ class SMP:
 
     def adopt_existing(self) -> None:
         self._read_complete()
+        self.trust.load()
         try:
             rebuilding = read_record(paths.rebuild_record_name(self.job, self.node)) is not None
         except ForeignSegment:
@@ -345,6 +349,7 @@ class SMP:
         slot.committed_at = time.time()
         self.counts["commits"] += 1
         del self.writers[rank]
+        self.trust.committed(rank, step, fields.losses(msg), {s.committed_step() for s in self.slots[rank] if s})
         log.info("smp node=%d event=commit rank=%d step=%d bytes=%d", self.node, rank, step, header.data_len)
         return {}
 
@@ -374,9 +379,14 @@ class SMP:
         self._discard_corrupt(rank)
         out = []
         for slot in self.slots.get(rank, []):
-            if slot is not None and slot.committed_step() is not None:
-                out.append({"segment": slot.segment.name, "step": slot.committed_step(), "source": slot.source})
-        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": self.complete_step,
+            step = slot.committed_step() if slot is not None else None
+            if step is not None and step not in self.trust.bad:  # a step found bad is never restored again
+                out.append({"segment": slot.segment.name, "step": step, "source": slot.source,
+                            "losses": self.trust.losses.get((rank, step), [])})
+        complete = self.complete_step
+        if complete in self.trust.bad:  # the job's restore must not insist on the step it may never use
+            complete = max((s["step"] for s in out if s["step"] < complete), default=None)
+        return {"slots": sorted(out, key=lambda s: -s["step"]), "complete_step": complete,
                 "holds_any": bool(self.committed()),
                 "linked": self.peers is not None and len(self.peers.addresses) > 1}
 
@@ -501,6 +511,25 @@ class SMP:
                 slot.blank()
         return {}
 
+    def op_bad(self, msg, conn_id):
+        """A sentinel tripped after the job restored `step` (capture/sentinel.py): the step is never listed
+        again. {"before": the step of the previous trip if no sentinel passed since, else None}."""
+        step, why = fields.step(msg), fields.text(msg, "why")
+        with self.lock:
+            new = step not in self.trust.bad
+            before = self.trust.mark_bad(step, why)
+            if new:
+                self.counts["sentinel_trips"] += 1
+                log.warning("smp node=%d event=bad_step step=%d reason=%s: never restored again", self.node, step,
+                            why)
+        return {"before": before}
+
+    def op_sentinel_passed(self, msg, conn_id):
+        """The steps after a restore passed the sentinel: a later trip is the first in a row again."""
+        with self.lock:
+            self.trust.passed()
+        return {}
+
     def op_restored(self, msg, conn_id):
         """The job resumed from `step` (or from scratch): newer slots belong to an abandoned timeline."""
         rank, step = fields.rank(msg), fields.step(msg, optional=True)
@@ -543,7 +572,7 @@ class SMP:
                 "used": self.used_bytes(), "complete_step": self.complete_step, "ranks": ranks,
                 "uptime_s": round(now - self.started, 1), "held_step": held_step,
                 "held_age_s": None if held_step is None else round(now - self._committed_at(held_step), 1),
-                "counters": dict(self.counts),
+                "counters": dict(self.counts), "bad_steps": sorted(self.trust.bad),
                 "ec": self.protector.status() if self.protector is not None else None,
                 "disk": self.disk.status() if self.disk is not None else None,
                 "peers": self.peers.links() if self.peers is not None else []}
@@ -565,6 +594,7 @@ class SMP:
         for rank in list(self.slots):
             self.drop_slots(rank)
         self._record_complete(None)
+        self.trust.wipe()
         if self.protector is not None:
             self.protector.wipe()
         log.info("smp node=%d event=wipe", self.node)

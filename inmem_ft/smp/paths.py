@@ -59,6 +59,11 @@ def rebuild_record_name(job: str, node: int) -> str:
     return f"{segment_prefix(job, node)}rebuild"
 
 
+def trust_record_name(job: str, node: int) -> str:
+    """The file beside the slots that remembers the losses snapshots recorded and the steps found bad."""
+    return f"{segment_prefix(job, node)}trust"
+
+
 def lock_name(job: str, node: int) -> str:
     """The file beside the slots that the node's running SMP holds locked (smp/nodelock.py)."""
     return f"{segment_prefix(job, node)}lock"

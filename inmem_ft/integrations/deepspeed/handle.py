@@ -78,6 +78,7 @@ class Handle:
         self._param_names = self._zero0_param_names() if self.zero_stage == 0 else {}
         self.moe = moe.Experts(engine) if engine.has_moe_layers else None
         self._unreported = Unreported(self.snap.metrics)
+        self._loss = None  # the last backward's loss (wrapped_backward)
         self._wrap(engine)
         self.restored: Restored | None = self._restore()
 
@@ -106,12 +107,20 @@ class Handle:
     def _after_update(self, before: int) -> None:
         now = self.engine.global_steps
         self.snap.heartbeat(step=now)
-        if now != before and self.snap.due(now):  # an optimizer step (gradient-accumulation boundary)
-            self.snapshot()
+        if now != before:  # an optimizer step (gradient-accumulation boundary)
+            if self._loss is not None:
+                self.snap.observe(now, self._loss, self.engine.get_global_grad_norm())
+            if self.snap.due(now):
+                self.snapshot()
         self._report()
 
     def _wrap(self, engine) -> None:
-        step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
+        step, save, load, backward = engine.step, engine.save_checkpoint, engine.load_checkpoint, engine.backward
+
+        @functools.wraps(backward)
+        def wrapped_backward(loss, *a, **kw):
+            self._loss = loss  # the step's last micro-batch loss: what the check after a restore screens
+            return backward(loss, *a, **kw)
 
         @functools.wraps(step)
         def wrapped_step(*a, **kw):
@@ -146,7 +155,7 @@ class Handle:
         if self.pipe is not None:  # train_batch() steps inside; engine.step() raises
             self.pipe.wrap(self._before_update, self._after_update)
         else:
-            engine.step = wrapped_step
+            engine.step, engine.backward = wrapped_step, wrapped_backward
         engine.save_checkpoint, engine.load_checkpoint = wrapped_save, wrapped_load
         self._load = load
         self._memory = None

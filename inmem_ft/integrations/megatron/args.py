@@ -15,6 +15,7 @@ from ...errors import ConfigError
 
 
 _interval = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 1", minimum=1)
+_sentinel_steps = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 0 (0: off)", minimum=0)
 _job = argtypes.job_id
 
 
@@ -34,6 +35,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="snapshot the training state into the node's SMP and restore from it on start")
     g.add_argument("--inmem-ft-interval", type=_interval, default=None, metavar="N",
                    help="snapshot every N iterations (default: the config's interval, else 100)")
+    g.add_argument("--inmem-ft-sentinel-steps", type=_sentinel_steps, default=None, metavar="N",
+                   help="iterations after a restore whose loss is screened for NaN/Inf or a spike (default: the "
+                        "config's sentinel_steps, else 20; 0: off)")
     g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
@@ -55,6 +59,7 @@ def read_block(path: str) -> InmemFTBlock:
 def block_from_args(args) -> InmemFTBlock:
     """The block of --inmem-ft-config with the command line's interval and job over it."""
     block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
-    overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job))
+    overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job),
+                                   ("sentinel_steps", getattr(args, "inmem_ft_sentinel_steps", None)))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)
