@@ -1,0 +1,54 @@
+"""Issue 38: torch.distributed.checkpoint over inmem_ft (inmem_ft.dcp) with real FSDP2 ranks on gloo, real
+SMPs and DCP's own planners: kill -9 and resume from memory bit-identically."""
+import os
+
+import pytest
+
+from inmem_ft.launcher.simulated import SimulatedCluster
+from inmem_ft.telemetry import read_losses
+
+STEPS, INTERVAL = 12, 4
+EXAMPLE = ["-m", "inmem_ft.examples.fsdp2_dcp", "--steps", str(STEPS), "--interval", str(INTERVAL)]
+
+
+def run_ok(cluster, argv):
+    attempt = cluster.run(argv)
+    assert attempt.ok, cluster.rank_log(attempt.number, 0)
+    return attempt
+
+
+@pytest.fixture
+def cluster(job, runtime):
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs")) as c:
+        yield c
+
+
+def reference_losses(tmp, extra=()):
+    """The uninterrupted run's losses, from a job of its own."""
+    own = os.environ.get("INMEM_FT_RUNTIME_DIR")
+    os.environ["INMEM_FT_RUNTIME_DIR"] = str(tmp / "run")
+    try:
+        with SimulatedCluster(1, 2, f"dcpref{os.getpid()}", 64 << 20, str(tmp / "logs")) as c:
+            run_ok(c, EXAMPLE + ["--loss-log", str(tmp / "ref.jsonl"), *extra])
+    finally:
+        if own is None:
+            del os.environ["INMEM_FT_RUNTIME_DIR"]
+        else:
+            os.environ["INMEM_FT_RUNTIME_DIR"] = own
+    return read_losses(tmp / "ref.jsonl")
+
+
+@pytest.mark.parametrize("extra", [("--async-save",)], ids=["async"])
+def test_fsdp2_kill9_resumes_bit_identically(cluster, runtime, tmp_path_factory, extra):
+    reference = reference_losses(tmp_path_factory.mktemp("dcpref"), extra)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    before = runtime / "before.jsonl"
+    attempt = cluster.run(EXAMPLE + ["--loss-log", str(before), "--die-at", "6", "--die-rank", "1", *extra])
+    assert not attempt.ok and attempt.returncodes[1] == -9
+    resumed = runtime / "resumed.jsonl"
+    attempt = run_ok(cluster, EXAMPLE + ["--loss-log", str(resumed), *extra])
+    losses = read_losses(resumed)
+    assert min(losses) == INTERVAL + 1, "resumed from an unexpected snapshot"
+    assert losses == {s: reference[s] for s in range(INTERVAL + 1, STEPS + 1)}  # bit-identical
+    log = cluster.rank_log(attempt.number, 0)
+    assert f"step={INTERVAL} source=dcp-memory" in log, log
