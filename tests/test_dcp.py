@@ -1,5 +1,6 @@
 """Issue 38: torch.distributed.checkpoint over inmem_ft (inmem_ft.dcp) with real FSDP2 ranks on gloo, real
 SMPs and DCP's own planners: kill -9 and resume from memory bit-identically."""
+import json
 import os
 
 import pytest
@@ -52,3 +53,20 @@ def test_fsdp2_kill9_resumes_bit_identically(cluster, runtime, tmp_path_factory,
     assert losses == {s: reference[s] for s in range(INTERVAL + 1, STEPS + 1)}  # bit-identical
     log = cluster.rank_log(attempt.number, 0)
     assert f"step={INTERVAL} source=dcp-memory" in log, log
+
+
+@pytest.mark.slow
+def test_load_onto_1_and_4_ranks_equals_stock_dcp(job, runtime):
+    """FSDP2 over 2 ranks saved; loaded with DCP's planner on 1 and on 4 ranks, params and Adam moments equal
+    to a stock dcp.save/dcp.load round trip of the same step."""
+    stock = runtime / "stock"
+    with SimulatedCluster(2, 2, job, 64 << 20, str(runtime / "logs")) as c:
+        c.reshape(1, 2)
+        run_ok(c, ["-m", "inmem_ft.examples.fsdp2_dcp", "--steps", "8", "--interval", "4", "--stock-dir", str(stock)])
+        for nodes, per_node in ((1, 1), (2, 2)):
+            c.reshape(nodes, per_node)
+            out = runtime / f"compare{nodes * per_node}.json"
+            run_ok(c, ["tests/dcp_compare.py", "--stock", str(stock), "--result", str(out)])
+            result = json.loads(out.read_text())
+            assert result["step"] == 8 and result["world"] == nodes * per_node and result["source"] == "dcp-memory"
+            assert len(result["keys"]) == 6 * 4 and not result["mismatched"], result

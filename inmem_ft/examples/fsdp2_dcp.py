@@ -57,8 +57,8 @@ def main() -> None:
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL rank --die-rank after this step")
     p.add_argument("--die-rank", type=int, default=0)
-    p.add_argument("--dump", default=None, help="at the end: every rank writes its full parameters and Adam "
-                                                "moments (torch.save, gathered) to PATH.<rank>")
+    p.add_argument("--stock-dir", default=None, help="at the end: also save model and optimizer with stock DCP "
+                                                     "(FileSystemWriter) into this directory, for comparisons")
     args = p.parse_args()
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         args.die_at = None
@@ -90,12 +90,12 @@ def main() -> None:
             ckpt.snap.wait()
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
-    if args.dump:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    if args.stock_dir:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        full = StateDictOptions(full_state_dict=True)
-        model_sd, optim_sd = get_state_dict(model, opt, options=full)
-        torch.save({"model": model_sd, "optimizer": optim_sd["state"]}, f"{args.dump}.{rank}")
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=args.stock_dir)
 
 
 if __name__ == "__main__":
