@@ -70,3 +70,26 @@ def test_load_onto_1_and_4_ranks_equals_stock_dcp(job, runtime):
             result = json.loads(out.read_text())
             assert result["step"] == 8 and result["world"] == nodes * per_node and result["source"] == "dcp-memory"
             assert len(result["keys"]) == 6 * 4 and not result["mismatched"], result
+
+
+@pytest.mark.slow
+def test_lost_node_rebuilt_from_parity_resumes_bit_identically(job, runtime, tmp_path_factory, monkeypatch):
+    """2 simulated nodes, m=1: node 1 is lost (trainer and SMP killed, memory wiped) and replaced by an empty
+    SMP, which rebuilds node 1's slots from parity; the restarted job's DCP load resumes bit-identically."""
+    from test_ec_resume import settled_step
+
+    monkeypatch.setenv("INMEM_FT_SECRET", "dcp-test-secret-0123456789abcdef")
+    reference = reference_losses(tmp_path_factory.mktemp("dcpref"))
+    with SimulatedCluster(2, 1, job, 64 << 20, str(runtime / "logs"), parity=1) as c:
+        attempt = c.run(EXAMPLE + ["--loss-log", str(runtime / "before.jsonl"), "--die-at", "10", "--die-rank", "1"])
+        assert not attempt.ok and attempt.returncodes[1] == -9
+        step = settled_step(c)
+        c.lose_node(1)
+        c.start_smp(1)
+        attempt = run_ok(c, EXAMPLE + ["--loss-log", str(runtime / "resumed.jsonl")])
+        log = c.rank_log(attempt.number, 1)
+        assert f"event=rebuilt step={step}" in open(c.smp_log(1)).read()
+    losses = read_losses(runtime / "resumed.jsonl")
+    assert min(losses) == step + 1, f"did not resume from the protected step {step}"
+    assert losses == {s: reference[s] for s in range(step + 1, STEPS + 1)}
+    assert f"step={step} source=dcp-" in log, log
