@@ -93,3 +93,26 @@ def test_lost_node_rebuilt_from_parity_resumes_bit_identically(job, runtime, tmp
     assert min(losses) == step + 1, f"did not resume from the protected step {step}"
     assert losses == {s: reference[s] for s in range(step + 1, STEPS + 1)}
     assert f"step={step} source=dcp-" in log, log
+
+
+@pytest.mark.slow
+def test_disk_tier_exports_as_stock_dcp(job, runtime):
+    """A DCP snapshot flushed to the disk tier, exported with `inmem-ft export --from DIR --format torch-dcp`
+    after the SMPs are gone, loads with stock FileSystemReader in a process without inmem_ft, equal to a stock
+    dcp.save of the same step."""
+    import subprocess
+    import sys
+
+    from inmem_ft.smp import control
+
+    disk, stock, out, result = (runtime / n for n in ("disk", "stock", "exported", "result.json"))
+    with SimulatedCluster(1, 2, job, 64 << 20, str(runtime / "logs"), smp_args=["--persist-dir", disk]) as c:
+        run_ok(c, ["-m", "inmem_ft.examples.fsdp2_dcp", "--steps", "8", "--interval", "4", "--stock-dir", str(stock)])
+        assert control.flush(job, 0, c.socket_path(0), timeout_s=120)["step"] == 8
+    subprocess.run([sys.executable, "-m", "inmem_ft", "export", "--from", str(disk), "--format", "torch-dcp",
+                    "--out", str(out), "--quiet"], check=True)
+    subprocess.run([sys.executable, "tests/dcp_stock_compare.py", "--stock", str(stock), "--exported", str(out),
+                    "--result", str(result)], check=True)
+    got = json.loads(result.read_text())
+    assert len(got["keys"]) == 24 and not got["mismatched"] and got["step"] == 8, got
+    assert not got["imported_inmem_ft"]

@@ -77,6 +77,12 @@ def metadata(source) -> tuple[Metadata, dict[tuple, Where]]:
     return Metadata(state_dict_metadata=state_md, planner_data=planner_data), where
 
 
+def is_dcp(manifest: dict) -> bool:
+    """Whether this rank's snapshot was written by InmemStorageWriter."""
+    tree = manifest["tree"]
+    return isinstance(tree, dict) and isinstance(tree.get("d"), dict) and ROOT in tree["d"]
+
+
 def _data_refs(manifest: dict, step: int, rank: int) -> list[int]:
     """The leaf index of each stored item's bytes, from the manifest's JSON tree."""
     node = manifest["tree"]
