@@ -116,3 +116,35 @@ def test_disk_tier_exports_as_stock_dcp(job, runtime):
     got = json.loads(result.read_text())
     assert len(got["keys"]) == 24 and not got["mismatched"] and got["step"] == 8, got
     assert not got["imported_inmem_ft"]
+
+
+@pytest.mark.slow
+def test_no_snapshot_is_one_clear_line_and_a_torn_one_is_never_loaded(job, smp):
+    """One process, no process group (DCP's no_dist path): a job with no snapshot gets NoSnapshot in one line;
+    a snapshot torn by a kill mid-write is never offered, and dcp.load reads the older complete one."""
+    import subprocess
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from inmem_ft import SnapshotConfig
+    from inmem_ft.dcp import InmemStorageReader, InmemStorageWriter, NoSnapshot, close
+    from test_failures import TORN_WRITER
+
+    config = SnapshotConfig(job=job)
+    with pytest.raises(NoSnapshot) as e:
+        InmemStorageReader(config=config).read_metadata()
+    assert "no snapshot on any reachable node" in str(e.value) and "\n" not in str(e.value)
+    saved = {"w": torch.arange(10.0), "step": 1, "nested": {"b": torch.ones(3, dtype=torch.bfloat16)}}
+    dcp.save(saved, storage_writer=InmemStorageWriter(config=config, step=1))
+    close()
+    writer = subprocess.Popen([sys.executable, "-c", TORN_WRITER, smp[0], "trainer"], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.wait()
+    loaded = {"w": torch.zeros(10), "step": -1, "nested": {"b": torch.zeros(3, dtype=torch.bfloat16)}}
+    reader = InmemStorageReader(config=config)
+    dcp.load(loaded, storage_reader=reader)
+    close()
+    assert reader.info.step == 1 and loaded["step"] == 1
+    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["nested"]["b"], saved["nested"]["b"])
