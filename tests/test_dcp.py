@@ -111,10 +111,10 @@ def test_disk_tier_exports_as_stock_dcp(job, runtime):
         assert control.flush(job, 0, c.socket_path(0), timeout_s=120)["step"] == 8
     subprocess.run([sys.executable, "-m", "inmem_ft", "export", "--from", str(disk), "--format", "torch-dcp",
                     "--out", str(out), "--quiet"], check=True)
-    subprocess.run([sys.executable, "tests/dcp_stock_compare.py", "--stock", str(stock), "--exported", str(out),
+    subprocess.run([sys.executable, "tests/dcp_load.py", "--dir", str(out), "--truth-dcp", str(stock),
                     "--result", str(result)], check=True)
     got = json.loads(result.read_text())
-    assert len(got["keys"]) == 24 and not got["mismatched"] and got["step"] == 8, got
+    assert len(got["truth_keys"]) == 24 and not got["mismatched"] and got["step"] == 8, got
     assert not got["imported_inmem_ft"]
 
 
