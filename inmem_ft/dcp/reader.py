@@ -28,8 +28,9 @@ class NoSnapshot(StepIncomplete):
 
 class InmemStorageReader(StorageReader):
     """`job`: the inmem_ft job (default from the environment); `step`: the step to load (or pass
-    `checkpoint_id=step` to dcp.load), default the newest one every rank of the saving job holds.
-    Opening it is collective: every rank of the loading job agrees on the step."""
+    `checkpoint_id=step` to dcp.load), default the newest one every rank of the saving job holds (`step`
+    says which once read_metadata opened it). Opening it is collective: every rank of the loading job agrees
+    on the step."""
 
     def __init__(self, job: str | None = None, step: int | None = None, *, config: SnapshotConfig | None = None,
                  snapshotter=None):
@@ -118,6 +119,7 @@ class InmemStorageReader(StorageReader):
             step = self._source.step if self._source is not None else NO_STEP
             low, high = snap.agree_min([step, -step])
             if low == -high != NO_STEP:
+                self.step = low
                 return
             self.close()
             if low == NO_STEP:
