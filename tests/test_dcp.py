@@ -148,3 +148,18 @@ def test_no_snapshot_is_one_clear_line_and_a_torn_one_is_never_loaded(job, smp):
     close()
     assert reader.info.step == 1 and loaded["step"] == 1
     assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["nested"]["b"], saved["nested"]["b"])
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_loads_as_fsdp_over_4(job, runtime):
+    """HSDP over a 2 x 2 mesh saved (each replica group stores its chunks); loaded as plain FSDP over 4 ranks,
+    equal to a stock dcp.save/dcp.load of the same step."""
+    stock = runtime / "stock"
+    with SimulatedCluster(2, 2, job, 64 << 20, str(runtime / "logs")) as c:
+        run_ok(c, ["-m", "inmem_ft.examples.fsdp2_dcp", "--steps", "8", "--interval", "4", "--hsdp", "2",
+                   "--stock-dir", str(stock)])
+        out = runtime / "compare.json"
+        run_ok(c, ["tests/dcp_compare.py", "--stock", str(stock), "--result", str(out)])
+    result = json.loads(out.read_text())
+    assert result["step"] == 8 and result["world"] == 4 and result["source"] == "dcp-memory"
+    assert len(result["keys"]) == 6 * 4 and not result["mismatched"], result

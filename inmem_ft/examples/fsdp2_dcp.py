@@ -35,14 +35,20 @@ def batch(index: int, rank: int, size: int = 8):
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def build(width: int):
+def build(width: int, hsdp: int = 0):
+    """The model, FSDP2-sharded over all ranks, or with `hsdp` replicas (HSDP: a replicas x shards mesh)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.GELU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (hsdp, dist.get_world_size() // hsdp), mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     return model, opt, sched
@@ -54,6 +60,7 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=5)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--async-save", action="store_true", help="dcp.async_save instead of dcp.save")
+    p.add_argument("--hsdp", type=int, default=0, help="HSDP with this many replicas (default: plain FSDP)")
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL rank --die-rank after this step")
     p.add_argument("--die-rank", type=int, default=0)
@@ -66,7 +73,7 @@ def main() -> None:
     inmem_ft.log_to_stderr()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt, sched = build(args.width)
+    model, opt, sched = build(args.width, args.hsdp)
     torch.manual_seed(1 + rank)  # per-rank dropout masks
     data = DataPosition()
     ckpt = Checkpointer(None, args.interval, model, opt, scheduler=sched, extra_state={"data": data},
