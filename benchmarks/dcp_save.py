@@ -140,9 +140,7 @@ def main() -> int:
     p.add_argument("--plot", default=None, help="draw a PNG bar chart here")
     p.add_argument("--hidden", type=int, default=None, help="default 2048 (--quick: 256)")
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
+    report.worker_args(p)
     p.add_argument("--disk-dir", default=None, help="where FileSystemWriter writes (default: the temp dir)")
     args = p.parse_args()
     if args.worker:
