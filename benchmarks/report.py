@@ -1,6 +1,7 @@
 """What every benchmark does with its results: JSON for machines (with where, when, on which commit and by
 which command it was measured, so benchmarks/render.py can say so beside every figure), a PNG for people; and
 the progress lines that keep a run of several minutes from going silent."""
+import argparse
 import datetime
 import json
 import os
@@ -61,6 +62,13 @@ def echo_log(read_log, name: str):
 def progress(text: str) -> None:
     """Worker side (call on rank 0): a progress line for the parent to echo."""
     print(PROGRESS + text, flush=True)
+
+
+def worker_args(parser) -> None:
+    """The hidden arguments by which a benchmark runs its own script as each rank's worker."""
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def table(title: str, columns: list[tuple[str, str]], rows: list[dict]) -> list[str]:

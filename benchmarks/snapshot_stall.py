@@ -152,9 +152,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=6, help="6 x (2048x4096 + 4096x2048) = 100.7M parameters")
     p.add_argument("--disk-dir", default=None, help="where torch.save writes (default: the temp dir)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (both ranks share GPU 0)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)
+    report.worker_args(p)
     args = p.parse_args()
     if args.worker:
         worker(args)

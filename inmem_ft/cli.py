@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="deepspeed-universal: what ds_to_universal writes, for \"load_universal\": true at "
                              "ZeRO-1/2/3 on any DP size; megatron-dist: a torch_dist checkpoint Megatron's --load "
                              "reads on any TP/PP layout; torch-dcp: torch.distributed.checkpoint of every global "
-                             "tensor (required)")
+                             "tensor (of a snapshot inmem_ft.dcp wrote: the checkpoint its DCP save described) "
+                             "(required)")
     export.add_argument("--from", dest="from_dir", metavar="DIR", default=None,
                         help="read the step from the SMPs' disk tier (their persist_dir, a job's folder in it or "
                              "one node's), verified, instead of from the SMPs; no SMP needs to run (default: from memory)")

@@ -388,6 +388,11 @@ class Snapshotter:
 
         return control.flush(self.config.job, self.config.node, self.config.socket_path, timeout_s)
 
+    @property
+    def complete(self) -> int | None:
+        """The newest step this Snapshotter knows every rank committed (saved or resumed from), if any."""
+        return self._complete
+
     def agree_min(self, value: int | list[int]) -> int | list[int]:
         """Collective over the whole job: the smallest `value` of all ranks (for restart decisions); of a list,
         the smallest of each element, in one round."""
