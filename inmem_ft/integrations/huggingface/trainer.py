@@ -16,6 +16,7 @@ Rule for train(resume_from_checkpoint=...) with a step in memory: the newer wins
 checkpoint's step or a later one (one line says so), else a refusal (the engine already holds memory's)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -56,15 +57,15 @@ class TrainerAdapter(TrainerCallback):
         self.last = 0  # the newest step snapshotted (or restored)
         prepare, run_epoch = trainer._prepare_for_training, trainer._run_epoch
 
-        def prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint):
+        def prepare_and_install(max_steps, train_dataloader, resume_from_checkpoint):
             out = prepare(max_steps, train_dataloader, resume_from_checkpoint)
             self._install(resume_from_checkpoint)
             return out
 
-        def run_epoch(**kw):
+        def run_restored_epoch(**kw):
             return run_epoch(**kw) if self.step is None else self._resumed_epoch(run_epoch, kw)
 
-        trainer._prepare_for_training, trainer._run_epoch = prepare_for_training, run_epoch
+        trainer._prepare_for_training, trainer._run_epoch = prepare_and_install, run_restored_epoch
 
     # ---- restore ------------------------------------------------------------------------------------------
     def _install(self, resume_from_checkpoint) -> None:
@@ -130,7 +131,8 @@ class TrainerAdapter(TrainerCallback):
         trainer, engine = self.trainer, self.handle.engine
         scheduler = trainer.lr_scheduler
         outside = scheduler is not None and getattr(scheduler, "scheduler", scheduler) is not engine.lr_scheduler
-        return {"state": trainer.state.to_json_string(),
+        # as TrainerState.save_to_json writes it (json keeps a float's every bit)
+        return {"state": json.dumps(dataclasses.asdict(trainer.state)),
                 "tr_loss": float(trainer._tr_loss.item()),  # a float32 holds exactly in a float
                 "total_loss_scalar": trainer._total_loss_scalar,
                 "globalstep_last_logged": trainer._globalstep_last_logged,
