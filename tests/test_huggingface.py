@@ -21,10 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def cluster(job, runtime):
-    c = SimulatedCluster(1, 2, job, 256 << 20, str(runtime / "logs"), env=ENV)
-    c.start()
-    yield c
-    c.stop()
+    with SimulatedCluster(1, 2, job, 256 << 20, str(runtime / "logs"), env=ENV) as c:  # one node, 2 ranks
+        yield c
 
 
 def steps(path) -> dict:
@@ -100,3 +98,18 @@ def test_auto_in_the_block_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"\['interval'\] = \"auto\": nothing fills inmem_ft's values"):
         InmemFTBlock.from_dict({"interval": "auto"})
     assert InmemFTBlock.from_dict({"reshard": "auto"}).reshard == "auto"  # its own value
+
+
+@pytest.mark.slow
+def test_accelerate_loop_kill_one_rank_resumes_bit_identical(cluster, runtime):
+    def run(out, *extra):
+        return cluster.run(["-m", "inmem_ft.examples.hf_accelerate", "--out", str(out), *map(str, extra)])
+
+    assert run(runtime / "ref.jsonl", "--no-inmem").ok
+    attempt = run(runtime / "killed.jsonl", "--die-at", 10, "--die-rank", 1)
+    assert not attempt.ok and attempt.returncodes[1] == -9
+    attempt = run(runtime / "resumed.jsonl")
+    assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
+    assert "step=8 source=memory" in cluster.rank_log(attempt.number, 1)
+    got, want = steps(runtime / "resumed.jsonl"), steps(runtime / "ref.jsonl")
+    assert min(got) == 9 and got == {s: v for s, v in want.items() if s >= 9}
