@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from conftest import wait_for_log
 from inmem_ft.config import InmemFTBlock
 from inmem_ft.errors import ConfigError
 from inmem_ft.launcher.simulated import SimulatedCluster
@@ -38,16 +39,18 @@ def trainer_run(cluster, out, *extra):
     return cluster.run(["-m", "inmem_ft.examples.hf_trainer", "--out", str(out), *map(str, extra)])
 
 
-def kill_and_resume(cluster, runtime, die_at, first_expected, *extra):
+def kill_and_resume(cluster, runtime, die_at, first_expected, *extra, between=None, source="memory"):
     ref = runtime / "ref.jsonl"
     attempt = trainer_run(cluster, ref, "--no-inmem", *extra)
     assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
     attempt = trainer_run(cluster, runtime / "killed.jsonl", "--die-at", die_at, "--die-rank", 1, *extra)
     assert not attempt.ok and attempt.returncodes[1] == -9
+    if between is not None:
+        between()
     resumed = runtime / "resumed.jsonl"
     attempt = trainer_run(cluster, resumed, *extra)
     assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
-    assert f"step={first_expected - 1} source=memory" in cluster.rank_log(attempt.number, 1)
+    assert f"step={first_expected - 1} source={source}" in cluster.rank_log(attempt.number, 1)
     got, want = steps(resumed), steps(ref)
     assert min(got) == first_expected, "resumed from an unexpected step"
     assert got == {s: v for s, v in want.items() if s >= first_expected}  # bit-identical
@@ -71,6 +74,20 @@ def test_trainer_variants_resume_bit_identical(cluster, runtime, extra):
 def test_trainer_restore_past_the_first_epoch(cluster, runtime):
     # 16 steps an epoch (64 samples, 2 ranks x 2): step 20 is in epoch 2 of 3
     kill_and_resume(cluster, runtime, 22, 21, "--steps", 0, "--epochs", 3, "--interval", 4)
+
+
+@pytest.mark.slow
+def test_trainer_restore_from_the_disk_tier(job, runtime):
+    """The SMP flushes every 8th step; after the kill its memory is wiped: step 8 comes back from disk."""
+    smp_args = ["--persist-dir", runtime / "disk", "--persist-every-steps", 8, "--persist-keep", 2]
+    with SimulatedCluster(1, 2, job, 256 << 20, str(runtime / "logs"), env=ENV, smp_args=smp_args) as cluster:
+        def memory_gone():
+            wait_for_log(cluster.smp_log(0), "event=flushed step=8 ")
+            cluster.kill_smp(0)
+            cluster.wipe_node(0)
+            cluster.start_smp(0)
+
+        kill_and_resume(cluster, runtime, 10, 9, "--steps", 12, "--interval", 4, between=memory_gone, source="disk")
 
 
 def test_the_block_without_install_says_so_once_on_rank_0(tmp_path):
