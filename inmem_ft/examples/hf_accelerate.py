@@ -31,7 +31,7 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9,
               "inmem_ft": {"enabled": not args.no_inmem, "interval": args.interval}}
-    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))  # cpu=True would drop DeepSpeed
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -41,10 +41,16 @@ def main() -> None:
     engine = accelerator.deepspeed_engine_wrapped.engine
 
     step = 0
-    handle = install(accelerator, extra_state=lambda: {"step": step + 1})  # the one inmem_ft line
+    # the one inmem_ft line; the scheduler accelerate keeps outside the engine travels with the loop's step
+    handle = install(accelerator, extra_state=lambda: {"step": step + 1, "scheduler": scheduler.state_dict()})
     if handle is not None and handle.restored is not None:
         step = handle.restored.extras["step"]
-    for batch in accelerator.skip_first_batches(data, step):
+        scheduler.load_state_dict(handle.restored.extras["scheduler"])
+    rng = inmem_ft.capture_rng_state()  # the restored one, re-applied once the first batch is in: a
+    for batch in accelerator.skip_first_batches(data, step):  # DataLoader's start draws torch's RNG
+        if rng is not None:
+            inmem_ft.restore_rng_state(rng)
+            rng = None
         loss = model(**batch).loss
         accelerator.backward(loss)  # engine.step(): the update, and a snapshot at a snapshot step
         optimizer.step(), scheduler.step(), optimizer.zero_grad()
