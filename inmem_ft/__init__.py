@@ -13,3 +13,8 @@ __getattr__ = exporter(__name__, _EXPORTS)
 __all__ = [*_EXPORTS, "__version__", "InmemFTError", "ConfigError", "SMPUnavailable", "BudgetExceeded",
            "SnapshotCorrupt", "SnapshotLost", "LayoutMismatch", "UnknownFormat", "UnsafeType", "StepIncomplete",
            "CatalogHole", "ForeignSegment"]
+
+# An enabled "inmem_ft" block that no install() saw is said once at the engine's first step (issue 37).
+from .integrations import block_watch as _block_watch  # noqa: E402  (cheap: imports no framework)
+
+_block_watch.arm()

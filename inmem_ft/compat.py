@@ -18,6 +18,10 @@ from .errors import ConfigError
 TESTED = {
     "deepspeed": (">=0.16.9,<0.17", ">=0.17.6,<0.18", ">=0.18.9,<0.19", ">=0.19.8,<0.20"),
     "megatron-core": (">=0.17.1,<0.18", ">=0.18.2,<0.19", ">=0.19.2,<0.20"),
+    # The Hugging Face Trainer integration wraps two of the Trainer's private methods (huggingface/trainer.py),
+    # which 5.x refactors between minors: one tested minor each (tests/test_huggingface.py).
+    "transformers": (">=5.24.0,<5.25",),
+    "accelerate": (">=1.15.0,<1.16",),
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'

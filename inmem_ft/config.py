@@ -17,6 +17,9 @@ ON_ERROR = ("warn", "raise")
 RESHARD = ("auto", "never")
 
 
+AUTO_MEANS_A_VALUE = ("reshard",)  # keys whose own values include "auto"
+
+
 def _from_dict(cls, values, where: str):
     """Build a config dataclass from user data; unknown keys fail with the list of known ones."""
     if not isinstance(values, dict):
@@ -25,6 +28,11 @@ def _from_dict(cls, values, where: str):
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+    auto = sorted(k for k, v in values.items() if v == "auto" and k not in AUTO_MEANS_A_VALUE)
+    if auto:
+        # accelerate's filler would stop on them with "not found in kwargs": no framework knows these values
+        raise ConfigError(f"{where}: {auto} = \"auto\": nothing fills inmem_ft's values (they are not the "
+                          f"framework's); give each a value, or leave the key out for its default")
     return cls(**values)
 
 

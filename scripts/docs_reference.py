@@ -237,7 +237,8 @@ def compat() -> str:
     """The framework releases the adapters accept (inmem_ft/compat.py) and the extra that installs each."""
     from inmem_ft.compat import TESTED
 
-    names = {"deepspeed": ("DeepSpeed", "deepspeed"), "megatron-core": ("Megatron-Core", "megatron")}
+    names = {"deepspeed": ("DeepSpeed", "deepspeed"), "megatron-core": ("Megatron-Core", "megatron"),
+             "transformers": ("transformers (Trainer)", "hf"), "accelerate": ("accelerate", "hf")}
     rows = [[names[d][0], " or ".join(f"`{s}`" for s in series), f"`inmem-ft[{names[d][1]}]`"]
             for d, series in TESTED.items()]
     return _table(["framework", "tested releases", "extra"], rows)

@@ -51,9 +51,12 @@ class Restored:
 
 
 class Handle:
-    def __init__(self, engine, block: InmemFTBlock, extra_state: Callable[[], Any] | None = None):
+    def __init__(self, engine, block: InmemFTBlock, extra_state: Callable[[], Any] | None = None,
+                 snapshot_in_step: bool = True):
         types.register()
         self.engine, self.block, self.extra_state = engine, block, extra_state
+        self.snapshot_in_step = snapshot_in_step
+        engine.inmem_ft_installed = True  # integrations/block_watch.py: this engine's block is not a silent no-op
         config = block.snapshot_config()
         self.zero_stage = int(engine.zero_optimization_stage())
         self.zero3 = self.zero_stage == 3
@@ -110,7 +113,7 @@ class Handle:
         if now != before:  # an optimizer step (gradient-accumulation boundary)
             if self._loss is not None:
                 self.snap.observe(now, self._loss, self.engine.get_global_grad_norm())
-            if self.snap.due(now):
+            if self.snapshot_in_step and self.snap.due(now):
                 self.snapshot()
         self._report()
 
@@ -394,12 +397,18 @@ class Handle:
             self.snap.close()
 
 
-def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None):
+def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dict | InmemFTBlock | None = None,
+            snapshot_in_step: bool = True):
     """Protect a DeepSpeed engine with inmem_ft, per the `"inmem_ft"` block of its config (or `config`).
 
     Call it right after deepspeed.initialize, on every rank. It restores the newest snapshot (memory, else
     disk) into the engine and returns a Handle, whose `restored` says what was loaded (None: fresh start);
     None if the block is absent or disabled.
+
+    `extra_state()` is called on every rank when a snapshot is taken: inside engine.step() at a snapshot step,
+    after the update and before the caller's loop moves its own counters (so it returns the position after
+    this step). `snapshot_in_step=False`: engine.step() takes none; the caller calls handle.snapshot() where
+    its own state is between steps (the Hugging Face Trainer integration, whose counters move after the step).
     """
     if isinstance(config, InmemFTBlock):
         block = config
@@ -413,4 +422,4 @@ def install(engine, *, extra_state: Callable[[], Any] | None = None, config: dic
     if engine.zero_optimization_partition_weights() and engine.global_steps:
         raise ConfigError("inmem_ft: install() on a ZeRO-3 engine that already trained; call it right after "
                           "deepspeed.initialize (DeepSpeed cannot load into a trained ZeRO-3 engine)")
-    return Handle(engine, block, extra_state)
+    return Handle(engine, block, extra_state, snapshot_in_step)
