@@ -423,7 +423,9 @@ def _generator(leaf: int, device: str, leaves: list, generators: dict) -> torch.
             raise ValueError(f"the snapshot holds a torch.Generator of device {device!r}, which this process "
                              f"cannot create ({str(e).splitlines()[0]}): restore on a machine with that "
                              f"device") from None
-        gen.set_state(leaves[leaf].cpu())  # set_state takes a host uint8 tensor, whatever the device
+        # A host uint8 tensor whatever the device, and a copy: a restored leaf may be a view into one restore
+        # buffer, and set_state reads from the start of its storage (torch 2.13: a wrong state, or SIGSEGV).
+        gen.set_state(leaves[leaf].cpu().clone())
         generators[leaf] = gen
     return generators[leaf]
 
