@@ -2,8 +2,9 @@
 
 Import it before anything imports megatron. Megatron assumes CUDA everywhere (factory calls with
 device='cuda' or torch.cuda.current_device(), .cuda(), CUDA RNG states, streams, events); this module
-maps all of that onto the CPU. It is the recipe of shared/MEGATRON.md, section "The CPU shim", and is
-never used where CUDA is present (install() refuses to run there). Nothing in inmem_ft imports it.
+maps all of that onto the CPU. It is the recipe of shared/MEGATRON.md, section "The CPU shim". Where CUDA is
+present install() steps aside (patches nothing), so the same tests run Megatron on the GPU as it is, on its
+local layers (--transformer-impl local: Transformer Engine is not needed). Nothing in inmem_ft imports it.
 """
 from __future__ import annotations
 
@@ -212,8 +213,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_cpu_shim is for machines without CUDA; run Megatron as it is here")
+    if torch.cuda.is_available():  # Megatron's own CUDA paths run as they are
+        return
     if "megatron" in sys.modules:
         raise RuntimeError("install megatron_cpu_shim before anything imports megatron")
     os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # Megatron's jit_fuser is torch.compile

@@ -86,6 +86,10 @@ def test_pieces_read_only_the_bytes_that_overlap_them():
         got = frags.piece(key, read, offset, shape, flat)
         assert torch.equal(got, want), (key, offset, shape, flat)
         assert sum(reads) < truth[key].numel() * truth[key].element_size(), "read more than the piece needs"
+        # A device target (Megatron's CUDA parameter): meta stands in, whose .numpy(), .cpu() and data reads
+        # raise, so the bytes must go through host memory and one copy into it.
+        meta = torch.empty(want.numel(), dtype=want.dtype, device="meta")
+        assert frags.piece(key, read, offset, shape, flat, out=meta) is meta
     frags.by_key["m"].pop()  # a fragment gone: said, not assembled wrong
     with pytest.raises(CatalogHole, match="'m'"):
         frags.piece("m", read, flat=(50, 63))

@@ -223,3 +223,18 @@ def test_copy_verified_copies_every_region_and_names_a_corrupted_one(workers):
     data[leaf["o"] + 4 * 12345] ^= 0x10
     with pytest.raises(SnapshotCorrupt, match=r"step 4 tensor #3 \(float32\[70000\]\) fails its checksum"):
         seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)
+
+
+def test_generators_roundtrip_as_their_state():
+    """A torch.Generator (Transformer Engine's graph-safe RNG tracker holds them) is stored as its state tensor
+    and comes back a Generator of the same device, in the same state; one met twice is one again."""
+    gen = torch.Generator().manual_seed(1234)
+    torch.randn(7, generator=gen)  # not at its seed: the state itself travels
+    tracker = {"model-parallel-rng": gen, "data-parallel-rng": torch.Generator().manual_seed(5)}
+    state = {"pad": torch.ones(3), "rng_tracker_states": tracker, "again": gen}  # leaves inside one buffer
+    back, _ = roundtrip(state)
+    got = back["rng_tracker_states"]
+    assert all(isinstance(g, torch.Generator) and g.device == torch.device("cpu") for g in got.values())
+    assert got["model-parallel-rng"] is back["again"]
+    for name, original in tracker.items():
+        assert torch.equal(torch.randn(5, generator=got[name]), torch.randn(5, generator=original)), name

@@ -108,7 +108,7 @@ def state_digest(engine) -> str:
     def walk(obj):
         if isinstance(obj, torch.Tensor):
             h.update(str(obj.dtype).encode())
-            h.update(obj.detach().float().contiguous().numpy().tobytes())
+            h.update(obj.detach().float().contiguous().cpu().numpy().tobytes())
         elif isinstance(obj, dict):
             for k in obj:
                 walk(obj[k])

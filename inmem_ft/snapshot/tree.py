@@ -2,7 +2,9 @@
 
 Tensors and numpy arrays become numbered leaves whose bytes travel separately; everything else is encoded
 in JSON with one-key tags, so decoding is a pure data walk: nothing is unpickled and nothing imported.
-Python and numpy RNG states are plain tuples/arrays and ride along with no special case.
+Python and numpy RNG states are plain tuples/arrays and ride along with no special case. A torch.Generator
+(Transformer Engine's graph-safe RNG tracker holds them, on any device) is stored as its state tensor, a host
+uint8 leaf from get_state(), and comes back as a Generator of the same device with set_state().
 """
 from __future__ import annotations
 
@@ -260,7 +262,18 @@ class _Flattener:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
+        if isinstance(obj, torch.Generator):
+            return self.generator(obj)
         return self.registered(obj)
+
+    def generator(self, gen: torch.Generator) -> dict:
+        """The generator's state as a leaf, read now (the state object the capture copies later is this copy);
+        a generator met twice is one leaf, and one Generator again on restore."""
+        idx = self._seen.get(id(gen))
+        if idx is None:
+            idx = self._seen[id(gen)] = len(self.values)
+            self.values.append(gen.get_state())  # a host uint8 tensor on every device type
+        return {"gen": _tensor_refs(idx, 1)[0], "dev": str(gen.device)}
 
     def sequence(self, obj) -> list:
         types = set(map(type, obj))
@@ -358,57 +371,75 @@ def flatten(state: Any) -> FlatState:
     return FlatState(tree, f.values, f.replicated, f.shards, f.lazy)
 
 
-def _decode(node: Any, leaves: list) -> Any:
+def _decode(node: Any, leaves: list, generators: dict) -> Any:
     if node is None or isinstance(node, (bool, int, float, str)):
         return node
     if isinstance(node, list):
-        return [_decode(v, leaves) for v in node]
+        return [_decode(v, leaves, generators) for v in node]
     (tag, val), *rest = node.items()
     if tag in ("T", "A"):
         return leaves[val]
     if tag in ("d", "od"):
-        out = (OrderedDict if tag == "od" else dict)((k, _decode(v, leaves)) for k, v in val.items())
-        return _with_meta(out, rest, leaves)
+        out = (OrderedDict if tag == "od" else dict)((k, _decode(v, leaves, generators)) for k, v in val.items())
+        return _with_meta(out, rest, leaves, generators)
     if tag == "dk":
         ordered = dict(rest)["o"]
-        out = (OrderedDict if ordered else dict)((_decode(k, leaves), _decode(v, leaves)) for k, v in val)
-        return _with_meta(out, rest[1:], leaves)
+        out = (OrderedDict if ordered else dict)((_decode(k, leaves, generators), _decode(v, leaves, generators))
+                                                 for k, v in val)
+        return _with_meta(out, rest[1:], leaves, generators)
     if tag == "R":
-        return _decode(val, leaves)
+        return _decode(val, leaves, generators)
     if tag == "tu":
-        return tuple(_decode(v, leaves) for v in val)
+        return tuple(_decode(v, leaves, generators) for v in val)
     if tag == "f":
         return float(val)
     if tag == "b":
         return base64.b64decode(val)
     if tag == "np":
-        return np.dtype(val).type(_decode(dict(rest)["v"], leaves))
+        return np.dtype(val).type(_decode(dict(rest)["v"], leaves, generators))
     if tag == "size":
         return torch.Size(val)
     if tag == "dtype":
         return dtype_from_name(val)
     if tag == "device":
         return torch.device(val)
+    if tag == "gen":
+        return _generator(val["T"], dict(rest)["dev"], leaves, generators)
     if tag == "enum":
-        return safe_types.lookup(val)(_decode(dict(rest)["v"], leaves))
+        return safe_types.lookup(val)(_decode(dict(rest)["v"], leaves, generators))
     if tag == "obj":
         cls = safe_types.lookup(val)
         obj = cls.__new__(cls)
-        vars(obj).update(_decode(dict(rest)["s"], leaves))
+        vars(obj).update(_decode(dict(rest)["s"], leaves, generators))
         return obj
     raise ValueError(f"unknown manifest tag {tag!r}: snapshot written by a newer inmem_ft?")
 
 
-def _with_meta(out, rest, leaves):
+def _generator(leaf: int, device: str, leaves: list, generators: dict) -> torch.Generator:
+    if leaf not in generators:
+        try:
+            gen = torch.Generator(device=device)
+        except RuntimeError as e:
+            raise ValueError(f"the snapshot holds a torch.Generator of device {device!r}, which this process "
+                             f"cannot create ({str(e).splitlines()[0]}): restore on a machine with that "
+                             f"device") from None
+        # A host uint8 tensor whatever the device, and a copy: a restored leaf may be a view into one restore
+        # buffer, and set_state reads from the start of its storage (torch 2.13: a wrong state, or SIGSEGV).
+        gen.set_state(leaves[leaf].cpu().clone())
+        generators[leaf] = gen
+    return generators[leaf]
+
+
+def _with_meta(out, rest, leaves, generators):
     for key, meta in rest:
         if key == "m":
-            out._metadata = _decode(meta, leaves)
+            out._metadata = _decode(meta, leaves, generators)
     return out
 
 
 def unflatten(tree: Any, leaves: list) -> Any:
     """Rebuild the state; `leaves` holds the tensors/arrays in leaf order."""
-    return _decode(tree, leaves)
+    return _decode(tree, leaves, {})
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -76,7 +76,12 @@ class Fragments:
         if out.dtype != dtype or out.numel() != hi - lo:
             raise ValueError(f"{key}: `out` holds {out.numel()} {out.dtype}, the piece is {hi - lo} {dtype}")
         if hi > lo:
-            self._fill(key, read, offset, shape, (lo, hi), out.view(-1).view(torch.uint8).numpy())
+            # The slot's bytes land in host memory: a device target (a CUDA parameter) is filled through a host
+            # piece and one copy to the device; numpy() of it would raise.
+            host = out if out.device.type == "cpu" else torch.empty(hi - lo, dtype=dtype)
+            self._fill(key, read, offset, shape, (lo, hi), host.view(-1).view(torch.uint8).numpy())
+            if host is not out:
+                out.view(-1).copy_(host)
         return out
 
     def raw(self, key: str, read) -> np.ndarray:

@@ -377,7 +377,8 @@ class Handle:
         try:
             pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
-            got = reshard.load(self.engine, rs, self.pipe or self.moe or reshard.ModuleKeys, boxes=self.tp)
+            got = reshard.load(self.engine, rs, self.snap.agree_min, self.pipe or self.moe or reshard.ModuleKeys,
+                               boxes=self.tp)
         finally:
             rs.close()
         phases = {**rs.seconds, **got["seconds"]}

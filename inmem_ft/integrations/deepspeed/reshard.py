@@ -52,13 +52,13 @@ class WholeBoxes:
         return tuple(shape), (0,) * len(shape)
 
 
-def load(engine, rs: Resharding, keys=ModuleKeys, boxes=None) -> dict:
+def load(engine, rs: Resharding, agree_min, keys=ModuleKeys, boxes=None) -> dict:
     """Collective: every rank's engine gets the snapshot's parameters, optimizer state, step, scheduler and
-    counters, and this rank its RNG; returns {extras, seconds per phase}. `keys`: how this engine's parameters
-    are named in the shard map (key_of) and which parameters of the snapshot other ranks' models hold
-    (held_elsewhere); `boxes`: which box of its global tensor each parameter is here (box; default whole)."""
-    import deepspeed.comm as dist
-
+    counters, and this rank its RNG; returns {extras, seconds per phase}. `agree_min(value)`: the smallest of
+    every rank's, on the snapshot's own gloo group (Snapshotter.agree_min: the default group may be NCCL, which
+    takes no host tensor); `keys`: how this engine's parameters are named in the shard map (key_of) and which
+    parameters of the snapshot other ranks' models hold (held_elsewhere); `boxes`: which box of its global
+    tensor each parameter is here (box; default whole)."""
     t0 = time.perf_counter()
     stage = int(engine.zero_optimization_stage())
     ok, error = 1, None
@@ -75,9 +75,7 @@ def load(engine, rs: Resharding, keys=ModuleKeys, boxes=None) -> dict:
     except Exception as e:
         ok, error = 0, e
     t1 = time.perf_counter()
-    everyone = torch.tensor([ok], dtype=torch.int64)
-    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
-    if not int(everyone.item()):
+    if not agree_min(ok):
         raise error or InmemFTError(f"another rank failed to read its share of step {rs.step} of the old layout "
                                     f"(its log says why)")
     if stage == 3:
