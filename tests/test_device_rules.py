@@ -21,6 +21,7 @@ COLLECTIVE_MODULES = {"dist", "torch.distributed", "deepspeed.comm", "comm"}
 TRAINING_COLLECTIVES = {  # (file, function, collective): why the default group is right
     ("examples/plain_pytorch.py", "main", "all_reduce"): "the model's gradients and loss, on the training device",
     ("examples/deepspeed_gpt.py", "train_step", "all_reduce"): "the loss, on the training device",
+    ("examples/fsdp2_dcp.py", "main", "all_reduce"): "the loss, on the training device",
     ("examples/megatron_gpt.py", "training_log", "broadcast"): "the loss, made on the training device",
     ("examples/deepspeed_tp.py", "dump_full", "all_gather_object"): "an object collective",
     ("examples/deepspeed_moe.py", "full_state", "all_gather_object"): "an object collective",
