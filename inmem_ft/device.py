@@ -21,6 +21,11 @@ PAGE = 4096
 _PORTABLE = 1  # cudaHostRegisterPortable: usable from every CUDA context of the process
 
 
+def kind(value) -> str | None:
+    """The accelerator type of a tensor in accelerator memory ("cuda", "xpu"), else None."""
+    return value.device.type if accelerated(value) else None
+
+
 def accelerated(value) -> bool:
     """A tensor in accelerator memory: its bytes leave through a stream. Host and meta tensors are not."""
     return isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
@@ -100,6 +105,31 @@ def register(address: int, size: int) -> Registration | None:
                     cudart.cudaGetErrorString(rc))
         return None
     return Registration(lo, hi - lo)
+
+
+class Upload:
+    """Host tensors copied into fresh tensors on the accelerator by non-blocking copies, queued on the current
+    stream so that the host meanwhile does other work (a restore verifies the checksums); wait() before the
+    host memory they read is released or their bytes are trusted."""
+
+    def __init__(self):
+        self._kind = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+        self._used: set[torch.device] = set()
+
+    def __call__(self, host: torch.Tensor, kind: str) -> torch.Tensor:
+        """`host` on the current accelerator if it is of `kind` (where the tensor lived when saved), else
+        `host` itself (a GPU snapshot restored on a host without that accelerator stays in host memory)."""
+        if kind != self._kind:
+            return host
+        d = torch.device(kind, torch.accelerator.current_device_index())
+        out = torch.empty(host.shape, dtype=host.dtype, device=d)
+        out.copy_(host, non_blocking=True)
+        self._used.add(d)
+        return out
+
+    def wait(self) -> None:
+        for d in self._used:
+            torch.accelerator.current_stream(d).synchronize()
 
 
 def rng_states() -> dict:

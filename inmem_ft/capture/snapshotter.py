@@ -440,7 +440,7 @@ class Snapshotter:
 
     # ---- restoring --------------------------------------------------------------------------------------
     def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None,
-                summary: bool = True):
+                summary: bool = True, to_device: bool = False):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
@@ -452,9 +452,11 @@ class Snapshotter:
         before the next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With
         `defer_checks` too, the checksums of the large regions run in the background (capture.verdict) and the
         ranks take their verdict at the next fence(), which every rank must then reach before the state changes
-        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed. `summary`: see Restorer."""
+        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed. `summary`: see Restorer.
+        `to_device`: the tensors saved from an accelerator come back on the current device of that accelerator
+        (copied by DMA out of the slot), the others in host memory; without it, all come back in host memory."""
         self.wait()
-        return Restorer(self, layout, other, summary).restore(views, defer_checks)
+        return Restorer(self, layout, other, summary).restore(views, defer_checks, to_device)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""

@@ -124,6 +124,8 @@ def _entry(flat: FlatState, i: int, leaf: Leaf) -> dict:
         kind = "quantized" if v.is_quantized else str(v.layout)
         raise UnsafeType(f"{flat.path_of(i)}: {kind} tensors are not supported; convert to a dense tensor first")
     entry = {"k": "a" if leaf.is_array else "t", "dt": leaf.dtype_name, "sh": list(v.shape), "n": leaf.nbytes}
+    if not leaf.is_array and device.accelerated(v):
+        entry["dv"] = device.kind(v)  # where it lived: a restore to the device puts it back there
     if leaf.shards:
         entry["shards"] = [spec.to_json() for spec in leaf.shards]
     return entry
@@ -183,17 +185,24 @@ class Pieces:
         return torch.cat([t[max(0, ro - lo): ro + n - lo] for lo, t in pieces])
 
 
-def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None, *, owned: bool = False):
+def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None, *, owned: bool = False,
+           upload=None, upload_from: torch.Tensor | None = None):
     """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the replicated region's pieces.
 
     Leaves of the replicated region are taken from its pieces as they are (views where they can be). Leaves
     in `data` are copied out, so the result stays valid after the slot is reused, unless `owned` says the
     caller takes care of that (a private copy, or a caller that copies out what it keeps); then they are views.
+    `upload` (a device.Upload): leaves that lived on an accelerator when saved go back there through it, read
+    from `upload_from` (the slot's shared, registered mapping of `data`) where given.
     """
     values = []
     for entry in manifest["leaves"]:
         n = entry["n"]
-        if "o" in entry:
+        if upload is not None and "dv" in entry:
+            own = data if upload_from is None else upload_from
+            src = own[entry["o"]: entry["o"] + n] if "o" in entry else replicated.take(entry["ro"], n, _itemsize(entry))
+            values.append(upload(_tensor_from(src, entry, copy=False), entry["dv"]))
+        elif "o" in entry:
             values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=not owned))
         else:
             values.append(_tensor_from(replicated.take(entry["ro"], n, _itemsize(entry)), entry, copy=False))
