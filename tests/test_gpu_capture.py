@@ -1,5 +1,6 @@
-"""The CUDA capture path: side-stream copies into pinned staging, then shared memory, off the training path.
-Runs only where there is a GPU (CI has none; the device machine runs it)."""
+"""The CUDA capture path: side-stream copies behind an event of the training stream, straight into the slot's
+registered mapping; restores back onto the device. Runs only where there is a GPU (CI has none; the device
+machine runs it)."""
 import pytest
 import torch
 
@@ -48,3 +49,31 @@ def test_staging_budget_too_small_fails_at_first_snapshot(job, snap):
     tight = Snapshotter(SnapshotConfig(job=job, staging_budget="1MiB"))
     with pytest.raises(BudgetExceeded, match="staging_budget"):
         tight.save(1, {"w": torch.randn(1 << 20, device="cuda")})
+
+
+def test_save_returns_before_the_copy_is_done_and_the_copy_ends_before_the_next_step(snap):
+    w = torch.randn(256 << 20, device="cuda")  # 1 GiB: many milliseconds over PCIe or NVLink-C2C
+    expected = w.cpu()
+    snap.save(1, {"w": w}, overlap=True)
+    snap.wait()  # the first snapshot registers its slot; the second is the one timed
+    snap.save(2, {"w": w}, overlap=True)
+    snap._copied.wait()  # the commit thread queued the copy
+    done = list(snap._fence_work.done.values())[0]
+    assert not done.query(), "the copy of 1 GiB was already done: save() waited for it"
+    snap.fence()
+    w.zero_()  # queued behind the copy on the training stream
+    snap.wait()
+    assert torch.equal(snap.restore()["w"], expected)
+
+
+def test_many_small_device_tensors_are_gathered_and_restore_onto_the_device_bit_exact(snap):
+    torch.manual_seed(2)
+    small = {f"t{i}": torch.randn(7 + i % 5, device="cuda").to(torch.bfloat16 if i % 2 else torch.float32)
+             for i in range(10_000)}
+    expected = {k: v.cpu() for k, v in small.items()}
+    snap.save(1, small)
+    for v in small.values():
+        v.add_(1)  # the next step, right after save() returned
+    snap.wait()
+    back = snap.restore(to_device=True)
+    assert all(back[k].is_cuda and torch.equal(back[k].cpu(), expected[k]) for k in expected)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import device
 from ..errors import (InmemFTError, LayoutChanged, LayoutMismatch, SMPUnavailable, SnapshotCorrupt, SnapshotLost,
                       UnknownFormat)
 from ..smp.segments import path_of
@@ -94,7 +95,7 @@ class Restorer:
         self.snap, self.layout, self._other, self._summary = snap, layout, other, summary
         self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
-    def restore(self, views: bool = False, defer_checks: bool = False):
+    def restore(self, views: bool = False, defer_checks: bool = False, to_device: bool = False):
         snap, clock = self.snap, _Clock()
         listing, failure = self._list()
         local = self._own_layout(self._candidates(listing["slots"]))
@@ -125,7 +126,7 @@ class Restorer:
         steps = set.intersection(*({s for s in row[:2] if s != NO_STEP} for row in rows))
         while steps:
             step = max(steps)
-            state, candidate, nbytes, later = self._load(step, local, clock, views, defer_checks)
+            state, candidate, nbytes, later = self._load(step, local, clock, views, defer_checks, to_device)
             if snap._agree.min(int(state is not None)):
                 return self._finish(step, state, candidate, nbytes, clock, later)
             log.warning("restore rank=%d step=%d event=corrupt_elsewhere: a rank's copy of step %d failed its "
@@ -265,9 +266,12 @@ class Restorer:
         return None
 
     # ---- reading it ------------------------------------------------------------------------------------
-    def _load(self, step: int, local: list[_Candidate], clock: _Clock, views: bool, defer_checks: bool):
+    def _load(self, step: int, local: list[_Candidate], clock: _Clock, views: bool, defer_checks: bool,
+              to_device: bool):
         """(state or None if this rank's slot failed its checksums, candidate, bytes, the checks deferred to the
-        next fence or None). Collective."""
+        next fence or None). Collective. With `to_device`, leaves saved from an accelerator are read into fresh
+        tensors there by non-blocking copies out of the slot's registered mapping (the deferred checks, which
+        read the slot, run meanwhile)."""
         snap = self.snap
         candidate = next(c for c in local if c.step == step)
         header = seg.Header.read(candidate.attached.segment.buf)
@@ -305,7 +309,13 @@ class Restorer:
         clock.mark("replicated")
         if data is None:
             return None, candidate, header.data_len, None
-        state = layout.unpack(candidate.manifest, data, replicated, owned=True)
+        upload = None
+        if to_device and any("dv" in e for e in candidate.manifest["leaves"]):
+            candidate.attached.register()
+            upload = device.Upload()
+        state = layout.unpack(candidate.manifest, data, replicated, owned=True, upload=upload, upload_from=shm)
+        if upload is not None:
+            upload.wait()  # the copies read the slot, which the next-but-one snapshot may overwrite
         clock.mark("unpack")
         return state, candidate, header.data_len, later
 

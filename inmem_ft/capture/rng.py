@@ -7,11 +7,12 @@ import random
 import numpy as np
 import torch
 
+from .. import device
+
 
 def capture_rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state.update(device.rng_states())
     return state
 
 
@@ -21,5 +22,4 @@ def restore_rng_state(state: dict) -> None:
     # Restored tensors may be views into one restore buffer; set_rng_state crashes (torch 2.13, SIGSEGV) on
     # a view with a storage offset, so it gets a compact copy of these few bytes.
     torch.set_rng_state(state["torch"].clone())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+    device.set_rng_states(state)

@@ -1,6 +1,6 @@
 """The trainer-side API: save a rank's state into its node's SMP every N steps, restore it after a crash.
 
-save() returns once the bytes are out of device memory; checksums, the commit to the SMP and the
+save() returns once the copies out of device memory are queued (capture/copier.py); checksums, the commit to the SMP and the
 job-wide agreement that a step is complete run in a background thread. A step counts only when every
 rank committed it, and the SMP never overwrites the newest such step, so some complete step always
 survives a crash at any instant.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import device
 from ..config import SnapshotConfig
 from ..errors import BudgetExceeded, InmemFTError, RestoredStateBad
 from ..smp.client import SMPClient
@@ -103,6 +104,7 @@ class _Attached:
         self.segment = Segment(name)
         self.bytes = torch.frombuffer(self.segment.buf, dtype=torch.uint8)
         self.populated = False
+        self.registration: device.Registration | None = None
         self._private: list[tuple[weakref.ref, int]] = []  # (its mmap, its base address) per private()
 
     def private(self) -> torch.Tensor:
@@ -136,7 +138,17 @@ class _Attached:
             self.populated = True
         return self
 
+    def register(self) -> None:
+        """Register the mapping with the device once (commit thread: it takes about 0.1 s per GB), so that
+        device copies into and out of it are DMA; where that fails they go through pageable memory."""
+        if self.registration is None:
+            self.registration = device.register(self.bytes.data_ptr(), self.segment.size) or \
+                device.Registration(0, 0)
+
     def close(self) -> None:
+        # No copy is in flight here (the commit thread drained them): unregistered before the mapping may go.
+        if self.registration is not None:
+            self.registration.release()
         # Not Segment.close(): torch.frombuffer holds no buffer export, so that munmap would go through under
         # a tensor still viewing the slot (work not yet ended, a view the caller kept), whose next read is a
         # SIGSEGV. Each tensor holds the memoryview, which holds the mmap: the mapping goes with the last one.
@@ -197,8 +209,9 @@ class Snapshotter:
             self._heartbeat.beat(**fields)
 
     def save(self, step: int, state, *, overlap: bool = False, topology: Topology | None = None) -> Future:
-        """Snapshot `state` as of now. Returns once its bytes are out of device memory, or with `overlap`
-        at once: the copy then runs behind training and fence() must be called before the state changes
+        """Snapshot `state` as of now. Returns once its host bytes are copied and its device bytes' copies are
+        queued behind an event of the training stream (which waits on them before its next kernels), or with
+        `overlap` at once: the copy then runs behind training and fence() must be called before the state changes
         (see fence_optimizer). `topology`: the layout record stored with it (default: this job's world and
         data-parallel sizes, framework 'pytorch'). Returns its commit: done once the step's vote is in (see
         wait_for)."""
@@ -285,8 +298,8 @@ class Snapshotter:
         if work is None:
             return
         t0 = time.perf_counter()
+        self._copied.wait()  # the commit thread queued the device copies: the training stream waits on them
         self._copier.fence(work)
-        self._copied.wait()
         waited = time.perf_counter() - t0
         self.metrics.extend_stall(waited)
 
@@ -323,7 +336,9 @@ class Snapshotter:
                         w.reply, w.target = self._begin(step, w.plan, w.manifest_len)
                     data = w.target.bytes[w.data_off: w.data_off + w.plan.data_len]
                     w.target.for_writing()
-                    self._copier.copy_host(w.work, data)
+                    if w.work.on_device:
+                        w.target.register()
+                    self._copier.copy_out(w.work, data)
                 except (RuntimeError, ValueError) as e:
                     if not w.reused or isinstance(e, InmemFTError):
                         raise
@@ -332,7 +347,9 @@ class Snapshotter:
                                     f"({str(e).splitlines()[0]}); the next snapshot is laid out afresh") from None
                 finally:
                     self._copied.set()
-                self._copier.drain(w.work, data)
+                self._copier.drain(w.work)
+                if w.work.on_device:  # a slot written before it was registered (save() without overlap)
+                    w.target.register()
                 raw = self._plans.manifest(w.flat, step, w.topology, w.target.segment.buf[w.data_off:],
                                            confirm=w.reused)
                 if len(raw) > w.manifest_len:
@@ -431,7 +448,7 @@ class Snapshotter:
 
     # ---- restoring --------------------------------------------------------------------------------------
     def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None,
-                summary: bool = True):
+                summary: bool = True, to_device: bool = False):
         """Collective: the state of the newest step every rank holds intact, or None when no step was ever
         complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
         (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
@@ -443,9 +460,11 @@ class Snapshotter:
         before the next-but-one snapshot, e.g. by loading inside `capture.views.PrivateAfterLoad`. With
         `defer_checks` too, the checksums of the large regions run in the background (capture.verdict) and the
         ranks take their verdict at the next fence(), which every rank must then reach before the state changes
-        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed. `summary`: see Restorer."""
+        or is snapshotted; it raises RestoreCorrupt on every rank if a region failed. `summary`: see Restorer.
+        `to_device`: the tensors saved from an accelerator come back on the current device of that accelerator
+        (copied by DMA out of the slot), the others in host memory; without it, all come back in host memory."""
         self.wait()
-        return Restorer(self, layout, other, summary).restore(views, defer_checks)
+        return Restorer(self, layout, other, summary).restore(views, defer_checks, to_device)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""

@@ -144,7 +144,8 @@ class _CopyOut:
             flat_dst, flat_src = own.view(-1), view.reshape(-1)
             pieces += [(flat_dst[a: a + PIECE], flat_src[a: a + PIECE]) for a in range(0, flat_dst.numel(), PIECE)]
             owned.append(own)
-        pages.run_all(lambda pair: pair[0].copy_(pair[1]), pieces)  # all end before a failure is raised
+        # Host to host, and all end before a failure is raised.
+        pages.run_all(lambda pair: pair[0].copy_(pair[1], non_blocking=False), pieces)
         self.release.clear()
         self._owned, self._seconds = owned, time.perf_counter() - t0
 

@@ -6,6 +6,8 @@ memory evenly whatever the tensor sizes are.
 
 Host tensors of one dtype and trailing shape sit next to each other (each such group 64-byte aligned), so
 that one torch.cat copies a whole group: a state of 10^5 small tensors then costs a few calls, not 10^5.
+Small device tensors of one dtype sit next to each other whatever their shapes: they are gathered into one
+flat buffer on the device and leave it in one copy (capture/copier.py).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import device
 from ..errors import UnsafeType
 from .checksum import PLACEHOLDER
 from .segment import ALIGN, FORMAT, align
@@ -32,17 +35,25 @@ class Copy:
     dst: int
 
 
+# Device tensors up to this size are gathered on the device before they leave it; a larger one is a copy of
+# its own (one copy of a large tensor already runs at the link's speed, and gathering it would cost its size
+# again in device memory).
+GATHER_MAX = 1 << 20
+
+
 @dataclass(frozen=True)
 class Batch:
-    """Whole host tensors of one dtype laid end to end from data offset `dst`, all with the same `trailing`
-    shape after their first dimension (None: all 0-d): one torch.cat (stack) copies them all, at a fraction
-    of the per-tensor cost of one copy each (10^5-tensor states)."""
+    """Whole tensors of one dtype laid end to end from data offset `dst`. Host tensors all have the same
+    `trailing` shape after their first dimension (None: all 0-d): one torch.cat (stack) copies them all, at a
+    fraction of the per-tensor cost of one copy each (10^5-tensor states). Small tensors on `device` (not
+    "cpu") may have any shapes: they are gathered flat on the device and copied out at once."""
 
     leaves: tuple[int, ...]
     dst: int
     nbytes: int
     dtype: torch.dtype
     trailing: tuple[int, ...] | None
+    device: str = "cpu"
 
 
 @dataclass
@@ -61,7 +72,11 @@ def share_bounds(total: int, dp_rank: int, dp_size: int) -> tuple[int, int, int]
 
 def _batch_key(leaf: Leaf):
     v = leaf.value
-    if leaf.is_array or v.device.type != "cpu" or not v.numel():
+    if leaf.is_array or not v.numel():
+        return None
+    if device.accelerated(v):
+        return (v.dtype, (), str(v.device)) if leaf.nbytes <= GATHER_MAX else None
+    if v.device.type != "cpu":
         return None
     return v.dtype, tuple(v.shape[1:]) if v.dim() else None
 
@@ -109,6 +124,8 @@ def _entry(flat: FlatState, i: int, leaf: Leaf) -> dict:
         kind = "quantized" if v.is_quantized else str(v.layout)
         raise UnsafeType(f"{flat.path_of(i)}: {kind} tensors are not supported; convert to a dense tensor first")
     entry = {"k": "a" if leaf.is_array else "t", "dt": leaf.dtype_name, "sh": list(v.shape), "n": leaf.nbytes}
+    if not leaf.is_array and device.accelerated(v):
+        entry["dv"] = device.kind(v)  # where it lived: a restore to the device puts it back there
     if leaf.shards:
         entry["shards"] = [spec.to_json() for spec in leaf.shards]
     return entry
@@ -168,17 +185,24 @@ class Pieces:
         return torch.cat([t[max(0, ro - lo): ro + n - lo] for lo, t in pieces])
 
 
-def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None, *, owned: bool = False):
+def unpack(manifest: dict, data: torch.Tensor, replicated: Pieces | None = None, *, owned: bool = False,
+           upload=None, upload_from: torch.Tensor | None = None):
     """Rebuild the state from a slot's data bytes (uint8 tensor) and, if any, the replicated region's pieces.
 
     Leaves of the replicated region are taken from its pieces as they are (views where they can be). Leaves
     in `data` are copied out, so the result stays valid after the slot is reused, unless `owned` says the
     caller takes care of that (a private copy, or a caller that copies out what it keeps); then they are views.
+    `upload` (a device.Upload): leaves that lived on an accelerator when saved go back there through it, read
+    from `upload_from` (the slot's shared, registered mapping of `data`) where given.
     """
     values = []
     for entry in manifest["leaves"]:
         n = entry["n"]
-        if "o" in entry:
+        if upload is not None and "dv" in entry:
+            own = data if upload_from is None else upload_from
+            src = own[entry["o"]: entry["o"] + n] if "o" in entry else replicated.take(entry["ro"], n, _itemsize(entry))
+            values.append(upload(_tensor_from(src, entry, copy=False), entry["dv"]))
+        elif "o" in entry:
             values.append(_tensor_from(data[entry["o"]: entry["o"] + n], entry, copy=not owned))
         else:
             values.append(_tensor_from(replicated.take(entry["ro"], n, _itemsize(entry)), entry, copy=False))

@@ -25,16 +25,17 @@ def _source_bytes(value, lo: int, hi: int, whole: bool):
 
 
 def copy_into(dst: torch.Tensor, value, c: Copy) -> None:
-    """Bytes [c.lo, c.hi) of leaf `value` into `dst` (a uint8 tensor of that many bytes, any device)."""
+    """Bytes [c.lo, c.hi) of leaf `value` into `dst` (a uint8 tensor of that many bytes, any device). From a
+    device, the copy is only queued on the current stream (the caller's event says when it is done)."""
     # Whole tensors are copied as themselves (any strides), unless `dst` cannot be viewed as their dtype.
     whole = c.lo == 0 and c.hi == nbytes(value) and isinstance(value, torch.Tensor) \
         and dst.storage_offset() % value.element_size() == 0
     src = _source_bytes(value, c.lo, c.hi, whole)
     with torch.no_grad():
         if whole:
-            dst.view(value.dtype).view(value.shape).copy_(src)
+            dst.view(value.dtype).view(value.shape).copy_(src, non_blocking=True)
         else:
-            dst.copy_(src)
+            dst.copy_(src, non_blocking=True)
 
 
 def cat_into(data: torch.Tensor, values: list, b: Batch) -> None:
@@ -52,6 +53,17 @@ def cat_into(data: torch.Tensor, values: list, b: Batch) -> None:
         torch.cat(group, out=out)
         if out.shape[0] != rows:
             raise ValueError(f"a batch of {len(group)} tensors no longer fills its {b.nbytes} bytes")
+
+
+def gather_into(data: torch.Tensor, values: list, b: Batch, flat: torch.Tensor) -> None:
+    """A device batch: its tensors gathered into `flat` (b.nbytes on the device, of b.dtype) by one kernel,
+    then one copy out into its bytes of `data`, queued on the current stream."""
+    group = [values[i].reshape(-1) for i in b.leaves]
+    if sum(t.numel() for t in group) != flat.numel():
+        raise ValueError(f"a batch of {len(group)} device tensors no longer fills its {b.nbytes} bytes")
+    with torch.no_grad():
+        torch.cat(group, out=flat)
+        data[b.dst: b.dst + b.nbytes].view(b.dtype).copy_(flat, non_blocking=True)
 
 
 def write(values: list, copies: list[Copy], batches: list[Batch], data: torch.Tensor) -> None:

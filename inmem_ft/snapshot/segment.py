@@ -219,7 +219,7 @@ def _check_run(data, out, run: list, where: str, step: int, stop: threading.Even
             return
         b = min(hi, a + COPY_PIECE)
         if out is not None:
-            out[a:b].copy_(data[a:b])
+            out[a:b].copy_(data[a:b], non_blocking=False)  # host to host: done before it is hashed
         while i < len(run) and run[i][0] < b:
             start, end, expected, label = run[i]
             piece = view[max(start, a): min(end, b)]

@@ -255,8 +255,10 @@ class Handle:
         t0, config = time.perf_counter(), self.snap.config
         try:
             # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run
-            # behind the load and the first forward/backward, and the wrapped step's fence takes their verdict
+            # behind the load and the first forward/backward, and the wrapped step's fence takes their verdict;
+            # what lived on the GPU comes back there (to_device), so the engine's load copies on the device
             state = self.snap.restore(layout=self._layout(), views=True, defer_checks=True, summary=False,
+                                      to_device=True,
                                       other=None if self.block.reshard == "never"
                                       else lambda: open_newest(config.socket_path, self._layout(), config.node))
         except LayoutChanged as e:

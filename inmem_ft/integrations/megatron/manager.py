@@ -181,9 +181,10 @@ class InmemCheckpointManager:
             self._looked = True
             self.restore_t0 = time.perf_counter()
             try:
-                # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad.
+                # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad; what lived on the
+                # GPU comes back there (to_device).
                 self._restored = self.snap.restore(layout=self._topology(0), views=True, other=self._other,
-                                                    summary=False)
+                                                    summary=False, to_device=True)
             except LayoutChanged as e:
                 if self._reshard is None:
                     raise
