@@ -8,7 +8,7 @@ import pytest
 
 from conftest import flip_in_largest_region, wait_for_log
 from inmem_ft.capture.verdict import SMALL
-from inmem_ft.examples.ds_common import CORRUPT_AT
+from inmem_ft.examples.corrupt import CORRUPT_AT
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
 from inmem_ft.telemetry import read_losses

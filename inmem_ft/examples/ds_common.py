@@ -33,28 +33,9 @@ def add_run_args(p: argparse.ArgumentParser, *, hidden: int = 64, dump_help: str
 
 def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     args = p.parse_args()
-    args.corrupt_at = int(os.environ.get(CORRUPT_AT, "0")) or None
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        args.die_at = args.corrupt_at = None  # torchrun restarted us after the injected failure: do not fail again
+        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
     return args
-
-
-CORRUPT_AT = "INMEM_FT_TEST_CORRUPT_AT"
-
-
-def corrupt_if_asked(args: argparse.Namespace, engine, rank: int) -> None:
-    """$INMEM_FT_TEST_CORRUPT_AT=S (tests/test_deepspeed_inmem.py): right after the optimizer step of step S,
-    before that step's snapshot, rank 0 makes one second moment negative. The snapshot's checksums then cover the
-    bad bytes; a run restored from it trains one good step, whose update is NaN, and the next loss is NaN."""
-    if args.corrupt_at is None or rank != 0:
-        return
-
-    def hook(optimizer, *_):
-        if engine.global_steps + 1 == args.corrupt_at:  # DeepSpeed counts the step after its optimizer's
-            state = next(s for s in optimizer.state.values() if "exp_avg_sq" in s)
-            state["exp_avg_sq"].view(-1)[0] = -1e3
-
-    engine.basic_optimizer.register_step_post_hook(hook)
 
 
 def start():
