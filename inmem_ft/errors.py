@@ -61,11 +61,16 @@ class ForeignSegment(InmemFTError):
     loose permissions, a link. It is refused and left in place, never adopted."""
 
 
+STOP_EXIT = 65  # a rank's exit code that asks its supervisor not to restart (sysexits' EX_DATAERR: bad data)
+
+
 class RestoredStateBad(InmemFTError):
     """The steps after a restore went bad (NaN/Inf, or a loss spike): the restored step is marked bad on every
     SMP and never restored again; restart the job (a supervisor does) and it resumes from an older step.
-    `fatal`: two trips in a row, the job stops instead."""
+    `fatal`: two trips in a row, the job stops instead: the rank exits with STOP_EXIT, which `inmem-ft run`
+    does not restart (a restart would only walk back to a third, older step)."""
 
     def __init__(self, message: str, step: int, fatal: bool = False):
         super().__init__(message)
         self.step, self.fatal = step, fatal
+        self.exit_code = STOP_EXIT if fatal else 1

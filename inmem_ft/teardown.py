@@ -145,7 +145,7 @@ def run_main(main, *args, **kwargs) -> None:
         code = 130
     except InmemFTError as e:  # says what is wrong and what to do: one line, no traceback
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        code = 1
+        code = getattr(e, "exit_code", 1)  # errors.STOP_EXIT: the supervisor must not restart
     except BaseException:
         traceback.print_exc()
         code = 1

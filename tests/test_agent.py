@@ -15,6 +15,8 @@ import pytest
 
 from conftest import ROOT
 from inmem_ft.agent import hangs
+from inmem_ft.errors import STOP_EXIT
+from inmem_ft.examples.corrupt import CORRUPT_AT
 from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.telemetry import read_losses
 
@@ -33,8 +35,9 @@ def agent_command(tmp, job, example_args=(), agent_args=()) -> tuple[list[str], 
     return cmd, env
 
 
-def run_agent(tmp, job, example_args=(), agent_args=(), timeout_s=240) -> tuple[int, str]:
+def run_agent(tmp, job, example_args=(), agent_args=(), timeout_s=240, extra_env=None) -> tuple[int, str]:
     cmd, env = agent_command(tmp, job, example_args, agent_args)
+    env.update(extra_env or {})
     try:
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
@@ -107,6 +110,33 @@ def test_hung_rank_is_dumped_killed_and_recovered_bit_identical(reference, tmp_p
     # Standbys were started once both ranks beat, well before the hang was found: the restart took them (ready,
     # or still importing on a loaded box).
     assert sum(split["starts"].get(how, 0) for how in ("standby", "standby still importing")) == 2, split
+
+
+@pytest.mark.slow
+def test_a_restored_state_that_goes_bad_restarts_by_itself_from_the_older_step_bit_identical(reference, tmp_path):
+    """Issue 40 under torch's agent: the snapshot of step 6 holds a negative Adam moment (valid checksums); rank 1
+    is killed after step 7. Restart 1 restores step 6, whose second step is NaN: the sentinel marks 6 bad and the
+    ranks exit; restart 2, without a person, restores step 3 and the run ends matching the uninterrupted one."""
+    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"],
+                        ["--standbys", "0"], extra_env={CORRUPT_AT: "6"})
+    assert rc == 0, out
+    assert "restore rank=0 step=6 source=memory" in out and "event=sentinel_trip" in out
+    assert "RestoredStateBad: inmem_ft: step 8 after the restore from step 6: loss nan" in out
+    assert "restore rank=0 step=3 source=memory" in out and "event=job_stopped" not in out
+    assert read_losses(tmp_path / "loss.jsonl") == reference  # each step's last loss: steps 4-12 from step 3
+
+
+@pytest.mark.slow
+def test_two_trips_in_a_row_stop_the_job_instead_of_restarting(tmp_path):
+    """The snapshot of step 3 holds a negative moment, so step 6's holds NaN weights: restart 1 restores 6 and
+    trips, restart 2 restores 3 and trips again: the ranks exit with STOP_EXIT and the agent, with restarts to
+    spare, stops the job with the ranks' one line naming both steps (no restart loop)."""
+    rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"],
+                        ["--standbys", "0", "--max-restarts", "5"], extra_env={CORRUPT_AT: "3"})
+    assert rc != 0, out
+    assert "the state restored from step 6 and then the one from step 3 both went bad" in out, out
+    assert f"exited with {STOP_EXIT}, which asks not to be restarted" in out and "event=job_stopped" in out
+    assert "event=ranks_started attempt=3 " in out and "event=ranks_started attempt=4 " not in out
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import flip_in_largest_region, wait_for_log
 from inmem_ft.capture.verdict import SMALL
+from inmem_ft.examples.corrupt import CORRUPT_AT
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import control
 from inmem_ft.telemetry import read_losses
@@ -123,6 +124,42 @@ def test_a_byte_flipped_in_the_restored_step_stops_every_rank_before_its_step_an
     assert "step=4 source=memory" in cluster.rank_log(attempt.number, 2)
     assert "event=verified" in cluster.rank_log(attempt.number, 2)
     assert read_losses(resumed) == {s: ref[s] for s in range(5, STEPS + 1)}  # bit-identical
+
+
+def test_a_restored_state_that_goes_nan_rolls_back_by_itself_to_the_older_snapshot_bit_identical(job, runtime):
+    """Issue 40: 2 ranks on 2 nodes, ZeRO-2. Right before the snapshot of step 6 the example makes one Adam second
+    moment negative, so the snapshot's checksums cover the bad bytes; a rank is killed after step 6. The restart
+    restores step 6, trains step 7 (its update is NaN), and the sentinel trips on step 8's loss: every rank stops
+    with one line and step 6 is marked bad on both SMPs. The next restart, without a person, restores step 4 (6 is
+    never listed again) and matches the uninterrupted run from there bit-identically."""
+    steps, bad = 8, 6
+    argv = example(2, "fp32", steps)
+    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env=ENV) as cluster:
+        ref = runtime / "ref.jsonl"
+        run_ok(cluster, argv + ["--no-inmem", "--loss-log", ref])
+        ref = read_losses(ref)
+        before = runtime / "before.jsonl"
+        attempt = cluster.run(argv + ["--loss-log", str(before), "--die-at", str(bad), "--die-rank", "1"],
+                              extra_env={CORRUPT_AT: str(bad)})
+        assert not attempt.ok and attempt.returncodes[1] == -9
+        assert read_losses(before) == {s: ref[s] for s in range(1, bad + 1)}
+
+        tripped = runtime / "tripped.jsonl"
+        attempt = cluster.run(argv + ["--loss-log", str(tripped)])
+        assert not attempt.ok
+        assert read_losses(tripped) == {bad + 1: ref[bad + 1]}  # the restored state's first step is still good
+        said = [line for r in range(2) for line in cluster.rank_log(attempt.number, r).splitlines()
+                if line.startswith("RestoredStateBad: ")]
+        assert said and all(f"after the restore from step {bad}:" in line for line in said), said
+        assert any(f"step {bad + 2} after the restore from step {bad}: loss nan" in line for line in said), said
+        for node in range(cluster.nodes):
+            assert control.call(cluster.socket_path(node), "status")["bad_steps"] == [bad]
+            assert [s["step"] for s in control.call(cluster.socket_path(node), "list", rank=node)["slots"]] == [4]
+
+        resumed = runtime / "resumed.jsonl"
+        attempt = run_ok(cluster, argv + ["--loss-log", resumed])
+        assert f"step={bad - INTERVAL} source=memory" in cluster.rank_log(attempt.number, 0)
+        assert read_losses(resumed) == {s: ref[s] for s in range(bad - INTERVAL + 1, steps + 1)}  # bit-identical
 
 
 @pytest.mark.compat

@@ -16,6 +16,7 @@ from importlib.metadata import version
 import pytest
 
 from conftest import wait_protected
+from inmem_ft.examples.corrupt import CORRUPT_AT
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp import paths
 from inmem_ft.smp.segments import Segment, names_with_prefix
@@ -129,6 +130,36 @@ def assert_exact_resume(reference, first, resumed):
 @pytest.mark.compat
 def test_tp2_kill_and_resume_is_exact(runtime, job):
     assert_exact_resume(*kill_and_resume(runtime, job, ["--tensor-model-parallel-size", "2"]))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="not yet: Megatron's rerun state machine finds the NaN first (in the grad "
+                   "norm of a bucket, inside backward, before train_step returns to the sentinel), saves a persistent "
+                   "checkpoint of the bad state to --save and exits; that exit and checkpoint must go to the sentinel")
+def test_a_restored_state_that_goes_nan_rolls_back_by_itself_to_the_older_snapshot_exact(runtime, job):
+    """Issue 40 on Megatron (TP2): the snapshot of iteration 6 holds a negative Adam moment (valid checksums);
+    a rank is killed after 7. The restart restores 6 and train_step's loss at 8 is NaN: the sentinel marks 6 bad
+    and every rank stops with one line; the next restart restores 3 and matches the uninterrupted run."""
+    layout, bad = ["--tensor-model-parallel-size", "2"], 2 * INTERVAL
+    logs = runtime / "logs"
+    ref = SimulatedCluster(1, 2, f"{job}r", BUDGET, str(logs / "ref"))
+    cluster = SimulatedCluster(1, 2, job, BUDGET, str(logs))
+    with ref, cluster:
+        ref.launch(EXAMPLE + layout + ["--loss-log", str(runtime / "ref.jsonl")])  # beside the first attempt
+        first = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "first.jsonl"), "--die-at",
+                                                        str(bad + 1), "--die-rank", "1"],
+                            extra_env={CORRUPT_AT: str(bad)})
+        assert first.returncodes[1] == -9, cluster.rank_log(first.number, first.first_failure or 0)
+        assert ref.wait().ok
+        reference = metrics(runtime / "ref.jsonl")
+        tripped = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "tripped.jsonl")])
+        assert not tripped.ok
+        log = cluster.rank_log(tripped.number, 0)
+        assert f"RestoredStateBad: inmem_ft: step {bad + 2} after the restore from step {bad}: loss nan" in log, log
+        resumed = cluster.run(EXAMPLE + layout + INMEM + ["--loss-log", str(runtime / "resumed.jsonl")])
+        assert resumed.ok, cluster.rank_log(resumed.number, resumed.first_failure)
+        assert f"restore rank=0 step={INTERVAL} source=memory" in cluster.rank_log(resumed.number, 0)
+    assert metrics(runtime / "resumed.jsonl") == {i: reference[i] for i in range(INTERVAL + 1, ITERS + 1)}
 
 
 @pytest.mark.slow

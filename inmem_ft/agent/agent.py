@@ -17,6 +17,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import telemetry
+from ..errors import STOP_EXIT
 from ..smp import control
 from ..launcher.worker import RECORD_DIR
 from . import hangs, lines, rendezvous
@@ -149,6 +150,11 @@ class InmemAgent(LocalElasticAgent):
                 return self._recover_hang(worker_group, beats, hung)
         elif result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._standbys_off_if_they_failed(result)
+            stopped = sorted(r for r, f in result.failures.items() if f.exitcode == STOP_EXIT)
+            if stopped:  # a restart cannot help (restored states went bad twice in a row): the job fails now
+                self._remaining_restarts = 0
+                self.say(f"event=job_stopped ranks={','.join(map(str, stopped))}: rank {stopped[0]} exited with "
+                         f"{STOP_EXIT}, which asks not to be restarted (its log says why); the job stops")
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
         return result

@@ -66,26 +66,29 @@ class Sentinel:
         return [x for x in map(_scalar, self.history) if math.isfinite(x)]
 
     def observe(self, step: int, loss, grad_norm=None) -> Trip | None:
-        """One trained step's loss (a float or a 0-d tensor) and gradient norm (or None): a Trip if it is bad.
-        Outside the steps after a restore a tensor is only kept (no device sync per step)."""
+        """One trained step's loss (a float or a 0-d tensor; None on a rank that has none, e.g. off Megatron's
+        last pipeline stage) and gradient norm (or None): a Trip if it is bad. Outside the steps after a restore
+        a tensor is only kept (no device sync per step)."""
         if self._left <= 0:
-            self.history.append(loss.detach() if hasattr(loss, "detach") else loss)
+            if loss is not None:
+                self.history.append(loss.detach() if hasattr(loss, "detach") else loss)
             return None
-        loss = _scalar(loss)
+        loss = None if loss is None else _scalar(loss)
         trip = None
         if self._left > 0:
             self._left -= 1
-            if not math.isfinite(loss):
+            if loss is not None and not math.isfinite(loss):
                 trip = f"loss {loss}"
             elif grad_norm is not None and not math.isfinite(norm := _scalar(grad_norm)):
                 trip = f"gradient norm {norm}"
-            elif self._bound is not None and loss > self._bound:
+            elif loss is not None and self._bound is not None and loss > self._bound:
                 trip = (f"loss {loss:.6g} above the bound {self._bound:.6g} learned from the {len(self.history)} "
                         f"losses recorded before the snapshot")
         if trip is not None:
             self.disarm()
             return Trip(step, self._restored, trip)
-        self.history.append(loss)
+        if loss is not None:
+            self.history.append(loss)
         return None
 
 

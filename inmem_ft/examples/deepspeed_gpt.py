@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import inmem_ft
+from inmem_ft.examples import corrupt
 from inmem_ft.examples.ds_common import add_run_args, counters, die_if_asked, finish, parse, resume, start
 
 VOCAB, SEQ, MICRO_BATCH = 64, 32, 4
@@ -240,6 +241,7 @@ def main() -> None:
     handle = install(engine, extra_state=lambda: {"position": stream.position})
     restored = handle.restored if handle is not None else None
     first = resume(handle, stream)
+    corrupt.after_step(engine.basic_optimizer, rank, lambda: engine.global_steps + 1)  # counted after its step
     if restored is None and args.load_dir:  # plain DeepSpeed: a stock checkpoint (an earlier run's --save-dir)
         path, _ = engine.load_checkpoint(args.load_dir)
         assert path is not None, f"nothing to load in {args.load_dir}"

@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 import inmem_ft.telemetry
+from inmem_ft.examples import corrupt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = not torch.cuda.is_available()
@@ -203,6 +204,22 @@ def dump_hooks(own: dict) -> None:
     training.train, training.training_log = train_then, training_log
 
 
+def corrupt_hook() -> None:
+    """$INMEM_FT_TEST_CORRUPT_AT (examples/corrupt.py) on the optimizer train() gets."""
+    if corrupt.asked() is None:
+        return
+    from megatron.training import get_args, training
+
+    train = training.train
+
+    def train_then(forward_step_func, model, optimizer, *args, **kwargs):
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+        corrupt.after_step(inner, torch.distributed.get_rank(), lambda: get_args().curr_iteration + 1)
+        return train(forward_step_func, model, optimizer, *args, **kwargs)
+
+    training.train = train_then
+
+
 def install_cpu_shim() -> None:
     """Without CUDA: the test-only shim that lets Megatron run on the CPU (before megatron is imported)."""
     if CPU:
@@ -243,6 +260,7 @@ def main() -> None:
     args, cfg, handle, own = prepare(sys.argv[1:])
     log_metrics(own, handle)
     dump_hooks(own)
+    corrupt_hook()
     run(cfg)
     if handle is not None:
         handle.close()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import inmem_ft
+from inmem_ft.examples import corrupt
 from inmem_ft.snapshot import annotate
 
 
@@ -74,6 +75,7 @@ def main() -> None:
         sched.load_state_dict(state["train"]["scheduler"])
         inmem_ft.restore_rng_state(state["rng"])
         start = state["step"]
+    corrupt.after_step(opt, rank, lambda: step)
 
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, rank)
@@ -87,6 +89,7 @@ def main() -> None:
         sched.step()
         dist.all_reduce(loss)
         inmem_ft.report_loss(step, loss.item() / world, args.loss_log)
+        snap.observe(step, loss / world)  # the first steps after a restore are screened (issue 40)
         snap.maybe_save(step, lambda: {"train": shared(train_state(model, opt, sched, rank, args.dp_split)),
                                        "rng": inmem_ft.capture_rng_state(), "step": step},
                         overlap=args.overlap)

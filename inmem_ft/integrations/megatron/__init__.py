@@ -137,6 +137,14 @@ class Handle:
         else:
             log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
 
+    def _observe(self, iteration: int, loss_dict: dict, grad_norm, skipped: bool) -> None:
+        """Each iteration's loss (the loss dict's first entry) and grad norm to the check after a restore
+        (Snapshotter.observe; it raises RestoredStateBad out of pretrain()). A skipped iteration's norm (an fp16
+        overflow) is not screened: the loss scaler handles it."""
+        if self.snap is not None:
+            loss = next(iter(loss_dict.values()), None) if loss_dict else None
+            self.snap.observe(iteration, loss, None if skipped else grad_norm)
+
     def _extra_specs(self, sh):
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
 
@@ -247,6 +255,7 @@ def install(args) -> Handle | None:
     patch.snapshot_without_save_checkpoint(InmemCheckpointManager)
     handle = Handle(args, block)
     patch.around_load(handle._before_load, handle._after_load)
+    patch.observe_train_step(handle._observe)
     return handle
 
 

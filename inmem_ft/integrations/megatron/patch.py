@@ -174,6 +174,22 @@ def snapshot_without_save_checkpoint(manager_type) -> None:
     training.save_checkpoint_and_time = wrapped
 
 
+def observe_train_step(observe) -> None:
+    """After each train_step of pretrain()'s loop: `observe(iteration, loss_dict, grad_norm, skipped)`, the
+    iteration it completed and what it returned (the loss dict is empty off the last pipeline stage)."""
+    from megatron.training import get_args, training
+
+    stock = training.train_step
+
+    @functools.wraps(stock)
+    def wrapped(*args, **kwargs):
+        out = stock(*args, **kwargs)
+        observe(get_args().curr_iteration + 1, out[0], out[5], bool(out[1]))
+        return out
+
+    training.train_step = wrapped
+
+
 def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
     load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
