@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 PHASES = ["gpu_tests", "training", "many_tensors", "restore", "deepspeed"]
 # Seconds per phase on the device; the sum stays under the 8 minutes the issue allows.
-CAPS = {"gpu_tests": 120, "training": 150, "many_tensors": 60, "restore": 60, "deepspeed": 60}
+CAPS = {"gpu_tests": 100, "training": 140, "many_tensors": 60, "restore": 60, "deepspeed": 90}
 GOALS = "blocked <= 0.1 x copy; step ratio <= 1.02; copy >= 0.8 x pinned; restore >= 0.7 x pinned H2D; " \
         "100,000 tensors <= 2 x 10"
 
@@ -279,13 +280,28 @@ def worker(args) -> None:
 
 
 def subprocess_phase(cmd: list[str], cap: float, env: dict) -> tuple[int | None, str, float]:
+    """Run a phase under its cap. At the cap it gets SIGINT first, so that its `finally` blocks and pytest's
+    fixtures stop the SMPs they started (daemons in sessions of their own); its group is killed after that."""
     t0 = time.monotonic()
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=cap, env=env, cwd=REPO)
-        return done.returncode, (done.stdout + done.stderr)[-2000:], time.monotonic() - t0
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return None, text[-2000:], time.monotonic() - t0
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            rc = None
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        return rc, log.read()[-2000:], time.monotonic() - t0
 
 
 def skip_reason(name: str, args) -> str | None:
@@ -309,10 +325,14 @@ def run_phase(name: str, args, tmp: str, env: dict) -> dict:
     cap = CAPS[name]  # an upper bound only: a loaded CPU box running --quick stays far below it
     result = os.path.join(tmp, f"{name}.json")
     if name == "gpu_tests":
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/"]
+        # Only the files that hold gpu tests: collecting the others would import frameworks the device lacks.
+        files = sorted(f"tests/{f}" for f in os.listdir(os.path.join(REPO, "tests"))
+                       if f.startswith("test_") and "mark.gpu" in open(os.path.join(REPO, "tests", f)).read())
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     elif name == "deepspeed":
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_deepspeed_inmem.py",
-               "-k", "kill_rank and 3-bf16"]
+        # ZeRO-3 bf16, 4 ranks on gloo: kill -9 of one, resume from memory, losses bit-identical (a slow test).
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+               "tests/test_deepspeed_inmem.py", "-k", "kill_rank and 3-bf16"]
     else:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--phase", name, "--device", args.device,
                "--result", result] + (["--quick"] if args.quick else [])

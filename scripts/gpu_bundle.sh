@@ -14,7 +14,9 @@ rm -rf "$dest" && mkdir -p "$dest"
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --no-deps pyeclib cryptography cffi pycparser prometheus_client \
     hjson ninja py-cpuinfo msgpack einops pydantic pydantic-core annotated-types typing-inspection
+had_build=$([ -e build ] && echo 1 || true)
 "${pip[@]}" wheel -q --no-deps --no-build-isolation -w "$dest" .
+[ -n "$had_build" ] || rm -rf build  # setuptools' scratch folder, left in the checkout otherwise
 DS_BUILD_OPS=0 "${pip[@]}" wheel -q --no-deps -w "$dest" "deepspeed==$(sed -n 's/^deepspeed==//p' constraints.txt)"
 du -sh "$dest"
 ls "$dest"
