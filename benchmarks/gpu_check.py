@@ -168,7 +168,7 @@ def phase_training(args, device, out) -> None:
 
     out["step_s_without"] = run(False, None)[0]
     args.save()
-    smp = Smp(3 * size + (1 << 30))
+    smp = Smp(2 * size + (1 << 30))
     try:
         smp.snap.save(0, state(0))  # the first snapshot lays out and registers the slot, as at job start
         smp.snap.wait()
@@ -226,7 +226,7 @@ def phase_restore(args, device, out) -> None:
     expected = [t.detach().clone() for t in tensors]
     out["state_bytes"] = size
     out["plain_pinned_h2d_s"] = plain_copy_s(tensors, device, to_device=True)
-    smp = Smp(3 * size + (1 << 30))
+    smp = Smp(2 * size + (1 << 30))
     try:
         smp.snap.save(1, saved)
         smp.snap.wait()
@@ -310,6 +310,9 @@ def skip_reason(name: str, args) -> str | None:
         return f"needs an accelerator (device {args.device})"
     if name in ("training", "many_tensors", "restore") and args.device != "cpu" and not accel:
         return f"device {args.device} is not available"
+    missing = [m for m in ("pyeclib", "cryptography") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{', '.join(missing)} not importable: install the bundle (make gpu-bundle; README, GPU check)"
     if name == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:
             return "deepspeed is not importable (install the bundle: make gpu-bundle)"
