@@ -1,5 +1,5 @@
 # The two entry points the README opens with; `make docs` builds the documentation site.
-.PHONY: demo test test-full test-compat venv docs
+.PHONY: demo test test-full test-compat venv docs gpu-bundle
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -26,3 +26,7 @@ docs: venv
 # Every combination of tests/compat/matrix.toml, each in a venv of its own (docs/compatibility.md).
 test-compat: venv
 	.venv/bin/python scripts/compat_matrix.py
+
+# The wheels the device machine lacks for benchmarks/gpu_check.py, into .cache/gpu-bundle (README, "GPU check").
+gpu-bundle: venv
+	bash scripts/gpu_bundle.sh
