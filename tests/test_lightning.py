@@ -1,0 +1,23 @@
+"""Issue 37: lightning.Trainer with InmemFTStrategy (DeepSpeed ZeRO-2, 2 ranks, CPU, gloo, a tiny GPT-2 from a
+config): kill -9 one rank mid-epoch, restart, and every later step's loss, learning rate and grad norm equal an
+uninterrupted run's (Lightning's loops, its step-wise scheduler, the data position in a shuffled epoch, RNG)."""
+import pytest
+
+from test_huggingface import cluster, steps  # noqa: F401  (the fixture: one node, 2 ranks)
+
+pytest.importorskip("lightning")
+
+
+def test_lightning_zero2_kill_one_rank_resumes_bit_identical(cluster, runtime):  # noqa: F811
+    def run(out, *extra):
+        return cluster.run(["-m", "inmem_ft.examples.lightning_gpt", "--out", str(out), *map(str, extra)])
+
+    attempt = run(runtime / "ref.jsonl", "--no-inmem")
+    assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
+    attempt = run(runtime / "killed.jsonl", "--die-at", 10, "--die-rank", 1)
+    assert not attempt.ok and attempt.returncodes[1] == -9, cluster.rank_log(attempt.number, 0)[-4000:]
+    attempt = run(runtime / "resumed.jsonl")
+    assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
+    assert "step=8 source=memory" in cluster.rank_log(attempt.number, 1)
+    got, want = steps(runtime / "resumed.jsonl"), steps(runtime / "ref.jsonl")
+    assert min(got) == 9 and got == {s: v for s, v in want.items() if s >= 9}
