@@ -21,3 +21,15 @@ def test_lightning_zero2_kill_one_rank_resumes_bit_identical(cluster, runtime): 
     assert "step=8 source=memory" in cluster.rank_log(attempt.number, 1)
     got, want = steps(runtime / "resumed.jsonl"), steps(runtime / "ref.jsonl")
     assert min(got) == 9 and got == {s: v for s, v in want.items() if s >= 9}
+
+
+@pytest.mark.slow
+def test_lightning_restart_after_the_end_stops_at_once(cluster, runtime):  # noqa: F811
+    def run(out):
+        return cluster.run(["-m", "inmem_ft.examples.lightning_gpt", "--out", str(out), "--steps", "6"])
+
+    assert run(runtime / "first.jsonl").ok
+    attempt = run(runtime / "again.jsonl")
+    assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
+    assert "step=6 source=memory" in cluster.rank_log(attempt.number, 0)
+    assert not (runtime / "again.jsonl").exists() or not steps(runtime / "again.jsonl")

@@ -12,7 +12,7 @@ skip the batches the epoch already consumed: the adapter skips them in the data 
 re-applies the restored RNG at the first resumed batch (the fetcher's start draws from torch's RNG).
 
 The seams (pinned to the tested lightning minor by inmem_ft.compat): Trainer._checkpoint_connector (its
-dump_checkpoint and _loaded_checkpoint) and fit_loop._data_fetcher.
+_get_loops_state_dict and _loaded_checkpoint) and fit_loop._data_fetcher.
 
 Rule for trainer.fit(ckpt_path=...) with a step in memory: memory wins (one line says so); the engine already
 holds it. Start the job under a new inmem_ft job id to resume from the file."""
@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import lightning
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer import call
 
 from ... import compat
 from ...capture import capture_rng_state, restore_rng_state
@@ -32,8 +34,6 @@ from ...config import InmemFTBlock
 from ...errors import ConfigError
 
 log = logging.getLogger("inmem_ft.lightning")
-# what Lightning's DeepSpeed save hands DeepSpeed as client state, less what is not the run's position
-CARRIED = ("epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "lr_schedulers")
 
 
 class InmemFTStrategy(DeepSpeedStrategy):
@@ -88,7 +88,7 @@ class InmemFTStrategy(DeepSpeedStrategy):
         if restored is None:
             return
         self._checkpoint = restored.extras
-        resume.rng = capture_rng_state()  # what install() restored; the loop draws before the first batch
+        resume.rng, resume.last = capture_rng_state(), restored.step  # what install() restored; the loop draws before the first batch
         trainer._checkpoint_connector._loaded_checkpoint = self._checkpoint  # restored as if read from a file
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
@@ -118,10 +118,21 @@ class _Resume(Callback):
     def __init__(self, strategy: InmemFTStrategy):
         self.strategy = strategy
         self.rng = None  # the restored RNG, re-applied at the first resumed batch
+        self.last = None  # the newest step snapshotted (or restored)
 
     def extras(self) -> dict:
-        dump = self.strategy.lightning_module.trainer._checkpoint_connector.dump_checkpoint()
-        return {k: dump[k] for k in CARRIED if k in dump}
+        """Lightning's part of its checkpoint (Trainer._checkpoint_connector.dump_checkpoint) less the weights and
+        optimizer states, which the engine's snapshot holds: dump_checkpoint itself would gather both."""
+        trainer = self.strategy.lightning_module.trainer
+        carried = {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+                   "pytorch-lightning_version": lightning.__version__,
+                   "loops": trainer._checkpoint_connector._get_loops_state_dict(),
+                   "callbacks": call._call_callbacks_state_dict(trainer),
+                   "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+        precision = trainer.precision_plugin.state_dict()
+        if precision:
+            carried[type(trainer.precision_plugin).__qualname__] = precision
+        return carried
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self.strategy._checkpoint is None:
@@ -145,6 +156,15 @@ class _Resume(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         handle = self.strategy.handle
         step = int(handle.engine.global_steps)
-        if trainer.fit_loop._should_accumulate() or not handle.snap.due(step):
-            return
-        handle.snapshot()
+        if not trainer.fit_loop._should_accumulate() and handle.snap.due(step):
+            self._snapshot(step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        handle = self.strategy.handle
+        step = int(handle.engine.global_steps)
+        if step != self.last:  # the end too: a restart after it stops at once
+            self._snapshot(step)
+
+    def _snapshot(self, step: int) -> None:
+        self.strategy.handle.snapshot()
+        self.last = step
