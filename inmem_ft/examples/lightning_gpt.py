@@ -2,26 +2,18 @@
 the `"inmem_ft"` block in the DeepSpeed config and `strategy=InmemFTStrategy(config=...)` in place of
 DeepSpeedStrategy. Run one process per rank with the torchrun variables set (torchrun, `inmem-ft run`,
 SimulatedCluster) and an SMP per node; deterministic on CPU."""
-import argparse
 import os
 
 import torch
 
 import inmem_ft
-from inmem_ft.examples.ds_common import die_if_asked, parse, start
+from inmem_ft.examples.ds_common import die_if_asked, start
+from inmem_ft.examples.hf_accelerate import arguments
 from inmem_ft.examples.hf_trainer import SEQ, VOCAB, Tokens
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--zero-stage", type=int, default=2, choices=[2, 3])
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--interval", type=int, default=4)
-    p.add_argument("--no-inmem", action="store_true", help='the block with "enabled": false')
-    p.add_argument("--out", default=None, help="rank 0 writes each step's loss, lr and grad norm (JSON lines)")
-    p.add_argument("--die-at", type=int, default=None, help="SIGKILL --die-rank after this step (first attempt)")
-    p.add_argument("--die-rank", type=int, default=0)
-    args = parse(p)
+    args = arguments()
     start()
     import lightning
     from transformers import GPT2Config, GPT2LMHeadModel
