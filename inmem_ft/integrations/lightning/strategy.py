@@ -12,7 +12,7 @@ skip the batches the epoch already consumed: the adapter skips them in the data 
 re-applies the restored RNG at the first resumed batch (the fetcher's start draws from torch's RNG).
 
 The seams (pinned to the tested lightning minor by inmem_ft.compat): Trainer._checkpoint_connector (its
-_get_loops_state_dict and _loaded_checkpoint) and fit_loop._data_fetcher.
+_get_loops_state_dict and _loaded_checkpoint), fit_loop._data_fetcher and _combined_loader.
 
 Rule for trainer.fit(ckpt_path=...) with a step in memory: memory wins (one line says so); the engine already
 holds it. Start the job under a new inmem_ft job id to resume from the file."""
@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning
 import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
@@ -142,7 +143,13 @@ class _Resume(Callback):
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if done >= trainer.num_training_batches:
             return  # the epoch was over: the next one starts afresh
-        fetcher = trainer.fit_loop._data_fetcher
+        fit_loop = trainer.fit_loop
+        # Lightning started the fetcher (and its prefetch) before it sets the samplers' epoch: past epoch 0 that
+        # order is epoch 0's. Restarted here with the restored epoch's.
+        for loader in fit_loop._combined_loader.flattened:
+            _set_sampler_epoch(loader, fit_loop.epoch_progress.current.processed)
+        fetcher = fit_loop._data_fetcher
+        iter(fetcher)
         fetched = fetcher.fetched
         for _ in range(done):
             next(fetcher)
