@@ -47,7 +47,8 @@ def main() -> None:
                                  lr=engine.get_lr()[0], grad_norm=float(engine.get_global_grad_norm()))
             die_if_asked(args, trainer.global_step, engine.global_rank, strategy.handle)
 
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": args.zero_stage}, "steps_per_print": 10**9,
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": args.zero_stage},
+              "steps_per_print": 10**9,
               "inmem_ft": {"enabled": not args.no_inmem, "interval": args.interval}}
     strategy = InmemFTStrategy(config=config)  # the one inmem_ft line, in place of DeepSpeedStrategy(config=...)
     trainer = lightning.Trainer(

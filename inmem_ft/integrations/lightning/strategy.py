@@ -42,8 +42,6 @@ class InmemFTStrategy(DeepSpeedStrategy):
     engine (None when the config's inmem_ft block is absent or disabled)."""
 
     def __init__(self, *args, allow_untested: bool = False, **kwargs):
-        import lightning
-
         compat.check("lightning", lightning.__version__, allow_untested)
         super().__init__(*args, **kwargs)
         self.handle = None
@@ -89,7 +87,8 @@ class InmemFTStrategy(DeepSpeedStrategy):
         if restored is None:
             return
         self._checkpoint = restored.extras
-        resume.rng, resume.last = capture_rng_state(), restored.step  # what install() restored; the loop draws before the first batch
+        # the RNG install() restored, re-applied at the first batch: the loop draws from it before
+        resume.rng, resume.last = capture_rng_state(), restored.step
         trainer._checkpoint_connector._loaded_checkpoint = self._checkpoint  # restored as if read from a file
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
