@@ -22,6 +22,8 @@ TESTED = {
     # which 5.x refactors between minors: one tested minor each (tests/test_huggingface.py).
     "transformers": (">=5.24.0,<5.25",),
     "accelerate": (">=1.15.0,<1.16",),
+    # InmemFTStrategy reads two private parts of the Lightning Trainer (lightning/strategy.py): one tested minor
+    "lightning": (">=2.6.6,<2.7",),
 }
 ALLOW_ENV = "INMEM_FT_ALLOW_UNTESTED"
 _ALLOW_KEY = '"allow_untested": true in the inmem_ft block'

@@ -238,7 +238,8 @@ def compat() -> str:
     from inmem_ft.compat import TESTED
 
     names = {"deepspeed": ("DeepSpeed", "deepspeed"), "megatron-core": ("Megatron-Core", "megatron"),
-             "transformers": ("transformers (Trainer)", "hf"), "accelerate": ("accelerate", "hf")}
+             "transformers": ("transformers (Trainer)", "hf"), "accelerate": ("accelerate", "hf"),
+             "lightning": ("Lightning (DeepSpeedStrategy)", "lightning")}
     rows = [[names[d][0], " or ".join(f"`{s}`" for s in series), f"`inmem-ft[{names[d][1]}]`"]
             for d, series in TESTED.items()]
     return _table(["framework", "tested releases", "extra"], rows)

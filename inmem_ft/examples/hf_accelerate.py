@@ -12,7 +12,8 @@ from inmem_ft.examples.ds_common import die_if_asked, parse, start
 from inmem_ft.examples.hf_trainer import SEQ, VOCAB, Tokens
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
+    """This example's arguments, also lightning_gpt.py's."""
     p = argparse.ArgumentParser()
     p.add_argument("--zero-stage", type=int, default=2, choices=[2, 3])
     p.add_argument("--steps", type=int, default=12)
@@ -21,7 +22,11 @@ def main() -> None:
     p.add_argument("--out", default=None, help="rank 0 writes each step's loss, lr and grad norm (JSON lines)")
     p.add_argument("--die-at", type=int, default=None, help="SIGKILL --die-rank after this step (first attempt)")
     p.add_argument("--die-rank", type=int, default=0)
-    args = parse(p)
+    return parse(p)
+
+
+def main() -> None:
+    args = arguments()
     start()
     from accelerate import Accelerator, DeepSpeedPlugin
     from transformers import GPT2Config, GPT2LMHeadModel
