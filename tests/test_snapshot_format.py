@@ -225,6 +225,23 @@ def test_copy_verified_copies_every_region_and_names_a_corrupted_one(workers):
         seg.copy_verified(data, p.manifest, "slot", 4, workers=workers)
 
 
+def test_transformer_engine_extra_state_roundtrips_as_bytes():
+    """TE's `_extra_state` is a uint8 tensor in current releases and an io.BytesIO of torch.save'd FP8 metadata
+    in older ones: both come back with the same bytes, the BytesIO at position 0 for TE's own torch.load, and
+    nothing of it is unpickled by us."""
+    import io
+
+    meta = io.BytesIO()
+    torch.save({"scale_fwd": torch.ones(2), "amax_history_fwd": torch.zeros(1, 2)}, meta)
+    state = {"layer.self_attention.linear_qkv._extra_state": meta,
+             "layer.mlp.linear_fc1._extra_state": torch.arange(16, dtype=torch.uint8)}
+    back, _ = roundtrip(state)
+    got = back["layer.self_attention.linear_qkv._extra_state"]
+    assert type(got) is io.BytesIO and got.tell() == 0 and got.getvalue() == meta.getvalue()
+    assert torch.equal(torch.load(got)["scale_fwd"], torch.ones(2))
+    assert torch.equal(back["layer.mlp.linear_fc1._extra_state"], torch.arange(16, dtype=torch.uint8))
+
+
 def test_generators_roundtrip_as_their_state():
     """A torch.Generator (Transformer Engine's graph-safe RNG tracker holds them) is stored as its state tensor
     and comes back a Generator of the same device, in the same state; one met twice is one again."""

@@ -4,12 +4,15 @@ Tensors and numpy arrays become numbered leaves whose bytes travel separately; e
 in JSON with one-key tags, so decoding is a pure data walk: nothing is unpickled and nothing imported.
 Python and numpy RNG states are plain tuples/arrays and ride along with no special case. A torch.Generator
 (Transformer Engine's graph-safe RNG tracker holds them, on any device) is stored as its state tensor, a host
-uint8 leaf from get_state(), and comes back as a Generator of the same device with set_state().
+uint8 leaf from get_state(), and comes back as a Generator of the same device with set_state(). An
+io.BytesIO (Transformer Engine's `_extra_state` in older releases) is stored as its bytes and comes back a
+BytesIO at position 0; what is inside is the owner's to decode (TE torch.loads it itself), never ours.
 """
 from __future__ import annotations
 
 import base64
 import gc
+import io
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -256,6 +259,8 @@ class _Flattener:
             return {"tu": self.sequence(obj)}
         if isinstance(obj, bytes):
             return {"b": base64.b64encode(obj).decode()}
+        if type(obj) is io.BytesIO:
+            return {"bio": base64.b64encode(obj.getvalue()).decode()}
         if isinstance(obj, torch.Size):
             return {"size": list(obj)}
         if isinstance(obj, torch.dtype):
@@ -395,6 +400,8 @@ def _decode(node: Any, leaves: list, generators: dict) -> Any:
         return float(val)
     if tag == "b":
         return base64.b64decode(val)
+    if tag == "bio":
+        return io.BytesIO(base64.b64decode(val))
     if tag == "np":
         return np.dtype(val).type(_decode(dict(rest)["v"], leaves, generators))
     if tag == "size":
