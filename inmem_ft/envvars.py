@@ -105,4 +105,7 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Where a worker records its start (time lost per failure).", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
            "Where each local rank records its start, as `rank<RANK>.json` (time lost per failure).", internal=True),
+    EnvVar("INMEM_FT_TEST_CORRUPT_AT", "the examples (tests of the check after a restore)", "unset", "step",
+           "Rank 0 makes one Adam second moment negative right after that step's optimizer step, before its "
+           "snapshot, on the first attempt only: a state saved bad with valid checksums.", internal=True),
 )
