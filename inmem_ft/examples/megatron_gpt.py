@@ -131,7 +131,8 @@ def log_metrics(own: dict, handle) -> None:
                      skipped_iter, grad_norm, *args, **kwargs):
         # On the training device: the default group is NCCL on a GPU, which refuses a host tensor.
         loss = torch.tensor([float(loss_dict["lm loss"]) if "lm loss" in loss_dict else 0.0], dtype=torch.float64,
-                            device=torch.accelerator.current_accelerator() or "cpu")
+                            device=torch.accelerator.current_accelerator() if torch.accelerator.is_available()
+                            else "cpu")  # torch 2.6's current_accelerator() raises where there is none
         torch.distributed.broadcast(loss, src=torch.distributed.get_world_size() - 1)  # the last stage has it
         if torch.distributed.get_rank() == 0:
             inmem_ft.report_loss(iteration, loss.item(), own["loss_log"], grad_norm=grad_norm, lr=learning_rate)
