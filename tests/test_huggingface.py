@@ -35,27 +35,35 @@ def history(path) -> list:
     return [{k: v for k, v in entry.items() if k not in timing} for entry in json.load(open(f"{path}.history"))]
 
 
-def trainer_run(cluster, out, *extra):
-    return cluster.run(["-m", "inmem_ft.examples.hf_trainer", "--out", str(out), *map(str, extra)])
+def run_example(cluster, example, out, *extra):
+    return cluster.run(["-m", f"inmem_ft.examples.{example}", "--out", str(out), *map(str, extra)])
 
 
-def kill_and_resume(cluster, runtime, die_at, first_expected, *extra, between=None, source="memory"):
+def resume_after_kill(cluster, runtime, example, die_at, first_expected, *extra, between=None, source="memory"):
+    """A reference run without inmem_ft, a run whose rank 1 is killed after step `die_at`, and the restart:
+    every step of the restart (from `first_expected` on) equal to the reference's. Returns both loss logs."""
     ref = runtime / "ref.jsonl"
-    attempt = trainer_run(cluster, ref, "--no-inmem", *extra)
+    attempt = run_example(cluster, example, ref, "--no-inmem", *extra)
     assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
-    attempt = trainer_run(cluster, runtime / "killed.jsonl", "--die-at", die_at, "--die-rank", 1, *extra)
-    assert not attempt.ok and attempt.returncodes[1] == -9
+    attempt = run_example(cluster, example, runtime / "killed.jsonl", "--die-at", die_at, "--die-rank", 1, *extra)
+    assert not attempt.ok and attempt.returncodes[1] == -9, cluster.rank_log(attempt.number, 0)[-4000:]
     if between is not None:
         between()
     resumed = runtime / "resumed.jsonl"
-    attempt = trainer_run(cluster, resumed, *extra)
+    attempt = run_example(cluster, example, resumed, *extra)
     assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
     assert f"step={first_expected - 1} source={source}" in cluster.rank_log(attempt.number, 1)
     got, want = steps(resumed), steps(ref)
     assert min(got) == first_expected, "resumed from an unexpected step"
     assert got == {s: v for s, v in want.items() if s >= first_expected}  # bit-identical
+    return resumed, ref
+
+
+def kill_and_resume(cluster, runtime, die_at, first_expected, *extra, between=None, source="memory"):
+    """The Trainer's: its log_history (logging counters across the restore) equal too."""
+    resumed, ref = resume_after_kill(cluster, runtime, "hf_trainer", die_at, first_expected, *extra,
+                                     between=between, source=source)
     assert history(resumed) == history(ref)
-    return attempt
 
 
 def test_trainer_zero2_kill_one_rank_resumes_bit_identical(cluster, runtime):
@@ -119,14 +127,4 @@ def test_auto_in_the_block_is_refused_with_the_reason():
 
 @pytest.mark.slow
 def test_accelerate_loop_kill_one_rank_resumes_bit_identical(cluster, runtime):
-    def run(out, *extra):
-        return cluster.run(["-m", "inmem_ft.examples.hf_accelerate", "--out", str(out), *map(str, extra)])
-
-    assert run(runtime / "ref.jsonl", "--no-inmem").ok
-    attempt = run(runtime / "killed.jsonl", "--die-at", 10, "--die-rank", 1)
-    assert not attempt.ok and attempt.returncodes[1] == -9
-    attempt = run(runtime / "resumed.jsonl")
-    assert attempt.ok, cluster.rank_log(attempt.number, 0)[-4000:]
-    assert "step=8 source=memory" in cluster.rank_log(attempt.number, 1)
-    got, want = steps(runtime / "resumed.jsonl"), steps(runtime / "ref.jsonl")
-    assert min(got) == 9 and got == {s: v for s, v in want.items() if s >= 9}
+    resume_after_kill(cluster, runtime, "hf_accelerate", 10, 9)
