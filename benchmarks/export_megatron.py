@@ -39,7 +39,7 @@ EXPORTER = """
 import resource, sys, torch
 if not torch.cuda.is_available():
     sys.path.insert(0, {tests!r}); import megatron_cpu_shim; megatron_cpu_shim.install()
-import megatron.core.enums, inmem_ft.universal.megatron_dist, inmem_ft.universal.diskslots, inmem_ft.cli
+import megatron.core.enums, inmem_ft.integrations.megatron.dist_export, inmem_ft.universal.diskslots, inmem_ft.cli
 import torch.distributed.checkpoint
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rc = inmem_ft.cli.main(sys.argv[1:])

@@ -10,7 +10,7 @@ import time
 
 from . import argtypes, assets, units
 from ._version import __version__
-from .cluster import survival
+from .planning import survival
 from .planning import command as plan_command
 from .cluster.options import ECOptions, add_ec_arguments, options_from_args, peer_argv
 from .errors import ConfigError, InmemFTError, SMPUnavailable
@@ -278,7 +278,7 @@ def format_inspect(job: str, step: int, topology: dict, keys: list[dict], rows: 
 
 
 def cmd_export(args) -> int:
-    from .universal.export import export
+    from .export import export
 
     if args.from_dir:
         from .universal.diskslots import DiskSlots

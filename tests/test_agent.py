@@ -294,7 +294,7 @@ def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, m
         assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1
         out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "RANK": "3"}
-        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.launcher.worker", "--", str(script), "a"], env,
+        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--", str(script), "a"], env,
                               str(out), str(err))
         assert proc is not None and proc.wait(timeout=120) == 0 and not pool.waiting
         assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"

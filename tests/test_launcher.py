@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from inmem_ft.launcher.timelost import PARTS
+from inmem_ft.agent.timelost import PARTS
 
 CLOCK_RESOLUTION_S = 0.001  # the rank logs' timestamps, which the restore's boundaries come from
 
@@ -58,7 +58,7 @@ def assert_split_adds_up(split):
 
 def test_a_boundary_nobody_recorded_merges_its_parts_and_says_why():
     """A rank whose log has no restore line, a hang nobody injected: no figure is guessed."""
-    from inmem_ft.launcher.timelost import RankReport, Restart, measure
+    from inmem_ft.agent.timelost import RankReport, Restart, measure
 
     t = 1_700_000_000.0
     line = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t + 9)) + ",000 INFO [inmem_ft] restore rank=0 " \

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from inmem_ft.cluster.survival import (
+from inmem_ft.planning.survival import (
     Inputs,
     add_survival_arguments,
     format_report,

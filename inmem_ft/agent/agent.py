@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from .. import telemetry
 from ..errors import STOP_EXIT
 from ..smp import control
-from ..launcher.worker import RECORD_DIR
+from .worker import RECORD_DIR
 from . import hangs, lines, rendezvous
 from .clock import RecoveryClock
 from .node_smp import NodeSMP

@@ -1,4 +1,4 @@
-"""The time each failure costs on this node, as the agent sees it: the boundaries of launcher/timelost.py
+"""The time each failure costs on this node, as the agent sees it: the boundaries of agent/timelost.py
 recorded from the agent's hooks, the rest from its ranks' records, logs and heartbeats.
 
     failure    a hung rank's last heartbeat; for a crash, the last poll that found every local rank running
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from ..launcher import timelost
+from . import timelost
 from ..telemetry import read_record, write_record
 
 

@@ -16,7 +16,7 @@ from ..errors import InmemFTError
 from ..smp import paths
 from . import lines
 
-WORKER = "inmem_ft.launcher.worker"
+WORKER = "inmem_ft.agent.worker"
 
 
 _seconds = argtypes.bounded(float, "{text!r} is not a number of seconds >= 0", minimum=0)
@@ -111,7 +111,7 @@ def options(args):
 
 
 def through_worker(args) -> None:
-    """Run the training command through launcher/worker.py, which records when the rank's rendezvous began and
+    """Run the training command through agent/worker.py, which records when the rank's rendezvous began and
     ended (the time-lost split). A --no-python or --run-path command runs as given."""
     if args.no_python or args.run_path:
         return

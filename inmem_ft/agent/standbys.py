@@ -1,5 +1,5 @@
 """Warm standbys for `inmem-ft run`: Python processes that have imported torch and what the node's ranks import
-(the framework, the model's code) and wait to take a rank (launcher/worker.py --standby). torch's agent restarts
+(the framework, the model's code) and wait to take a rank (agent/worker.py --standby). torch's agent restarts
 every local rank of the node on a failure; a rank started on a standby skips the imports (seconds per rank) and
 is otherwise what a cold start is: torchrun's command, its environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...) and its stdout/stderr files, from torch's own code.
@@ -26,10 +26,10 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
 from ..launcher import standby
-from ..launcher.worker import runnable
+from .worker import runnable
 from ..telemetry import read_record
 
-WORKER = "inmem_ft.launcher.worker"
+WORKER = "inmem_ft.agent.worker"
 CUDA_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
@@ -180,7 +180,7 @@ class _Handler(SubprocessHandler):
 
 
 def _worker_command(argv: list[str]) -> list[str] | None:
-    """What a standby runs of torchrun's `python -u -m inmem_ft.launcher.worker -- COMMAND...` (COMMAND), or
+    """What a standby runs of torchrun's `python -u -m inmem_ft.agent.worker -- COMMAND...` (COMMAND), or
     None for any other command (another interpreter, a NUMA wrapper, --no-python)."""
     if not argv or argv[0] != sys.executable:
         return None

@@ -13,7 +13,7 @@ from typing import Callable
 from .. import telemetry
 from ..errors import InmemFTError
 from ..smp import inventory
-from . import timelost
+from ..agent import timelost
 from .simulated import SimulatedCluster
 from .supervisor import Failure, Supervisor, Timeline
 

@@ -20,7 +20,7 @@ from typing import Callable
 from ..cluster.options import ECOptions
 from ..smp import control, inventory, paths
 from ..telemetry import read_record
-from . import worker
+from ..agent import worker
 from .ports import free_port
 from .standby import StandbyPool
 
@@ -49,7 +49,7 @@ class SimulatedCluster:
         """Each SMP listens on a loopback TCP port of its own for its peers (cross-node reads), with the job
         secret INMEM_FT_SECRET of `env` or the environment (a fresh one if neither has it); `parity` m turns on
         erasure coding across the nodes. `workers`: "plain" runs each rank as `python argv...`, rank 0 serving
-        the rendezvous store; "cold" runs it through inmem_ft.launcher.worker, which records when it started and
+        the rendezvous store; "cold" runs it through inmem_ft.agent.worker, which records when it started and
         rendezvoused (worker_record), and serves the store from here, as torchrun's agent does; "standby" does
         too, and hands each rank to its slot's warm standby when there is one (start_standbys). `hosts`: each node's
         SMP address instead of loopback, and `smp_prefix(node)` the command its SMP runs under (a network namespace
@@ -186,7 +186,7 @@ class SimulatedCluster:
                 open(log, "w").close()
                 proc, how = self.standbys.hand_over(self.slot_of(rank), argv, env, log), "standby"
             if proc is None:
-                command = ["-m", "inmem_ft.launcher.worker", "--", *argv] if timed else argv
+                command = ["-m", "inmem_ft.agent.worker", "--", *argv] if timed else argv
                 how = "cold" if timed else "plain"
                 with open(log, "w") as out:
                     proc = subprocess.Popen([sys.executable, *command], env=env, stdout=out,
@@ -215,7 +215,7 @@ class SimulatedCluster:
         return os.path.join(self.log_dir, f"attempt{attempt}-rank{rank}.json")
 
     def worker_record(self, attempt: int, rank: int) -> dict | None:
-        """What rank's worker recorded in `attempt` (inmem_ft.launcher.worker); None if nothing (yet)."""
+        """What rank's worker recorded in `attempt` (inmem_ft.agent.worker); None if nothing (yet)."""
         return read_record(self.record_path(attempt, rank))
 
     def start_standbys(self) -> int:

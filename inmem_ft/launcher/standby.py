@@ -1,5 +1,5 @@
 """Warm standby processes: one per rank slot (node, local rank), started ahead of a failure, that import what
-the slot's rank has imported and then wait for a rank to run (inmem_ft/launcher/worker.py).
+the slot's rank has imported and then wait for a rank to run (inmem_ft/agent/worker.py).
 
 A restart hands each rank to its slot's standby, also one still importing (it runs the rank once done: sooner
 than a cold start, which would import everything again); a slot without a live standby starts cold. Standbys
@@ -18,16 +18,16 @@ import subprocess
 import sys
 
 from ..telemetry import read_record
-from .worker import RECORD
+from ..agent.worker import RECORD
 
 Slot = tuple[int, int]  # (node, local rank)
 
 
 def spawn(env: dict, previous_record: str, record: str, **popen) -> subprocess.Popen:
-    """A standby process (launcher/worker.py --standby) preloading what `previous_record`'s process imported and
+    """A standby process (agent/worker.py --standby) preloading what `previous_record`'s process imported and
     recording itself in `record`; unbuffered, as torchrun runs a rank (`python -u`). `popen`: where its output
     goes until it takes a rank, its session."""
-    return subprocess.Popen([sys.executable, "-u", "-m", "inmem_ft.launcher.worker", "--standby", previous_record],
+    return subprocess.Popen([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--standby", previous_record],
                             env={**env, RECORD: record}, stdin=subprocess.PIPE, **popen)
 
 

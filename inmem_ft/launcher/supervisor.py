@@ -26,7 +26,7 @@ from ..agent import hangs
 from ..cluster.options import ECOptions
 from ..errors import ConfigError
 from ..smp import control, inventory, nodelock, paths
-from . import timelost
+from ..agent import timelost
 from .ports import free_port
 
 POLL_S = 0.05  # heartbeats and failure injection; also the agents' monitor interval

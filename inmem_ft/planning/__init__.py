@@ -4,7 +4,7 @@
   costs can be read from the benchmarks' result files.
 - `simulate`: a seeded discrete-event simulation of a long run under failures, for in-memory snapshots, disk
   checkpoints and full in-memory replication.
-- `plan`: the recommendation (Young/Daly interval, G and m from `cluster.survival`, disk-tier cadence,
+- `plan`: the recommendation (Young/Daly interval, G and m from `planning.survival`, disk-tier cadence,
   memory per node) and the config block it amounts to.
 - `command`: `inmem-ft plan`.
 """

@@ -4,7 +4,7 @@ effective training time it buys next to disk checkpoints and full in-memory repl
 - interval: Young/Daly, sqrt(2 x blocking x job MTBF), at least the time to protect a snapshot (the SMP cannot
   protect snapshots faster than that) and one step;
 - G and m: the least parity memory m/(G-m) whose chance of losing more than m nodes of a group while a snapshot
-  is being protected (`cluster.survival`), summed over the run, stays under the target, and whose rebuilds
+  is being protected (`planning.survival`), summed over the run, stays under the target, and whose rebuilds
   (k x a node's bytes read) cost little beyond the restart they overlap; groups must span racks, so a lost
   rack costs each group at most one node;
 - persist_every: flush to disk about every `max_disk_age_s`, never more often than the storage can take (twice
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cluster import survival
+from . import survival
 from ..config import InmemFTBlock
 from ..errors import ConfigError
 from ..units import human
@@ -112,7 +112,7 @@ def our_costs(cluster: Cluster, job: Job, costs: Costs, group_size: int = 2, par
 def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, interval_s: float,
                  wall_s: float, targets: "Targets") -> tuple[int, int, float]:
     """(G, m, expected losses beyond m over the run). Among the groups whose chance of losing more than m nodes
-    while a snapshot is protected (cluster.survival), summed over the run, meets the target, and whose rebuilds
+    while a snapshot is protected (planning.survival), summed over the run, meets the target, and whose rebuilds
     cost at most `targets.rebuild_share` of the run beyond what hides behind the job's restart (a replacement
     rebuilds while the ranks restart; a rebuild reads k x the node): the least parity memory, then the smaller
     group. None meets both: the safest of those meeting the survival target with the fastest rebuild."""

@@ -1,7 +1,7 @@
 """A pipeline snapshot (a DeepSpeed PipelineModule's, ZeRO-1, any number of stages) as a universal checkpoint, laid out as stock
 `ds_to_universal` lays out a pipeline checkpoint:
 
-    <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as ds_universal.py: `3.qkv.weight`, and a tied
+    <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as universal_export.py: `3.qkv.weight`, and a tied
                                                         parameter once, `tied_modules.<key>.weight`
     <out>/<tag>/mp_rank_<NN>_model_states.pt            the model states (param_shapes, steps, lr scheduler) of
                                                         stage S's tensor-parallel rank T, NN = S * tp + T (the
@@ -16,9 +16,9 @@ DeepSpeed's names through the names each rank recorded (`pipeline.names` in its 
 """
 from __future__ import annotations
 
-from ..errors import InmemFTError
-from .ds_universal import rank_plan
-from .source import MemorySource
+from ...errors import InmemFTError
+from .universal_export import rank_plan
+from ...universal.source import MemorySource
 
 
 def model_parallel_ranks(src: MemorySource) -> dict[tuple[int, int], int]:
@@ -46,7 +46,7 @@ def recorded_names(src: MemorySource, rank: int) -> dict[str, str] | None:
 
 
 def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
-    """ds_universal.plan for a pipeline snapshot: every stage's parameters once (a tied one from the first stage
+    """universal_export.plan for a pipeline snapshot: every stage's parameters once (a tied one from the first stage
     that holds it; the shapes tensor-parallel rank 0 holds), every model-parallel rank's model states; the
     optimizer's common state from stage 0."""
     models, params, seen, common = {}, [], set(), None

@@ -16,7 +16,7 @@ reads the step) in optimizer_state.pt.
 
 Global tensors are read and written one at a time. The model states keep everything DeepSpeed saved except
 `module`: a universal load takes the weights from zero/ and never reads it, and writing it would hold the
-whole model at once. A pipeline snapshot (a PipelineModule's, any number of stages) is laid out as ds_universal_pipeline.py says.
+whole model at once. A pipeline snapshot (a PipelineModule's, any number of stages) is laid out as universal_export_pipeline.py says.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from ..errors import InmemFTError
-from .source import MemorySource
+from ...errors import InmemFTError
+from ...universal.source import MemorySource
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 # Per-rank pieces of the ZeRO-1/2 and ZeRO-3 optimizer files; zero/<param>/ holds them whole.
@@ -48,13 +48,13 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
         raise InmemFTError(f"--format deepspeed-universal covers ZeRO-1/2/3; this snapshot is "
                            f"ZeRO-{topo.get('zero_stage')} tp{topo.get('tp')} pp{topo.get('pp')}: "
                            f"export it with --format torch-dcp")
-    from ..integrations.deepspeed import types  # imports deepspeed: only for this format
+    from . import types  # imports deepspeed: only for this format
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
-    from . import ds_universal_pipeline  # here: it builds on this module
+    from . import universal_export_pipeline  # here: it builds on this module
 
-    if topo.get("pp", 1) > 1 or ds_universal_pipeline.recorded_names(src, 0) is not None:  # PipelineModule
-        return ds_universal_pipeline.plan(src)
+    if topo.get("pp", 1) > 1 or universal_export_pipeline.recorded_names(src, 0) is not None:  # PipelineModule
+        return universal_export_pipeline.plan(src)
     if topo.get("tp", 1) > 1:
         raise InmemFTError(f"--format deepspeed-universal covers tensor parallelism only in a PipelineModule; "
                            f"this snapshot is tp{topo.get('tp')} without one: export it with --format torch-dcp")
@@ -67,7 +67,7 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
 def rank_plan(src: MemorySource, rank: int) -> tuple[dict, dict, list[tuple[dict, object]]]:
     """(model states, optimizer_state.pt, [({DeepSpeed's parameter name: shape}, step)] per param group) from
     `rank`'s DeepSpeed files."""
-    from ..integrations.deepspeed import stock
+    from . import stock
 
     model, osd, inner = stock.model_and_optimizer(src.state(rank, "files"),
                                                   f"rank {rank}'s snapshot of step {src.step}")

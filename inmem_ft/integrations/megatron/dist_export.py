@@ -27,12 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..errors import InmemFTError
-from ..persist.atomic import atomic_write_text
-from ..snapshot.catalog import coverage
-from ..snapshot.tree import dtype_from_name
-from .dcp import FromMemory
-from .source import MemorySource
+from ...errors import InmemFTError
+from ...persist.atomic import atomic_write_text
+from ...snapshot.catalog import coverage
+from ...snapshot.tree import dtype_from_name
+from ...dcp.export import FromMemory
+from ...universal.source import MemorySource
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -69,8 +69,8 @@ def plan(src: MemorySource) -> tuple[int, dict, dict, dict]:
     if topo.get("framework") != "megatron":
         raise InmemFTError(f"--format megatron-dist needs a Megatron snapshot; step {src.step} was taken by "
                            f"{topo.get('framework')!r}: export it with --format deepspeed-universal or torch-dcp")
-    from ..integrations.megatron.manager import replica_tuple, tensor_entries
-    from ..integrations.megatron.patch import register_safe_classes  # imports megatron: only for this format
+    from .manager import replica_tuple, tensor_entries
+    from .patch import register_safe_classes  # imports megatron: only for this format
 
     register_safe_classes()  # the common state's Namespace and enums come back as themselves
     common = src.state(0, "common")
@@ -112,7 +112,7 @@ def _pickled(value) -> io.BytesIO:
 def write(src: MemorySource, out: str, bar) -> tuple[str, int, int]:
     """Writes the checkpoint under `out`, one global tensor at a time (`bar`: a tqdm); returns (the iteration
     directory, tensors, bytes)."""
-    from ..integrations.megatron import versions
+    from . import versions
 
     iteration, common, objects, tensors = plan(src)
     it_dir = iteration_dir(out, iteration)

@@ -2,8 +2,8 @@
 when the command began, and when its rendezvous (torch.distributed.init_process_group) began and ended, so
 the supervisor can split the time a failure costs into process start and imports, rendezvous, and the rest.
 
-    python -m inmem_ft.launcher.worker -- ARGS...              run now (a cold start)
-    python -m inmem_ft.launcher.worker --standby RECORD        a warm standby, see below
+    python -m inmem_ft.agent.worker -- ARGS...              run now (a cold start)
+    python -m inmem_ft.agent.worker --standby RECORD        a warm standby, see below
 
 A warm standby imports every module the rank's previous process has imported (listed in that process's
 RECORD, which that process keeps current and the standby follows), and waits for its assignment: one JSON
@@ -217,7 +217,7 @@ def main() -> None:
     elif args[:1] == ["--"] and runnable(args[1:]):
         run(args[1:], Record(record_path(), standby=False))
     else:
-        sys.exit("usage: python -m inmem_ft.launcher.worker (-- -m MODULE ARGS... | -- SCRIPT ARGS... | "
+        sys.exit("usage: python -m inmem_ft.agent.worker (-- -m MODULE ARGS... | -- SCRIPT ARGS... | "
                  "--standby RECORD)")
 
 

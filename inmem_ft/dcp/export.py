@@ -22,11 +22,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from ..dcp import items
+from . import items
 from ..errors import InmemFTError
 from ..snapshot.catalog import coverage
 from ..snapshot.tree import dtype_from_name
-from .source import MemorySource
+from ..universal.source import MemorySource
 
 
 class FromMemory(DefaultSavePlanner):
