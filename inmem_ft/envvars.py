@@ -93,6 +93,13 @@ VARIABLES: tuple[EnvVar, ...] = (
            "How often the agents' c10d rendezvous re-reads its store while it waits for the other nodes (torch's "
            "own: every second). `auto` keeps the store's load at most about what torch's second gives at 1000 "
            "nodes. Same as `inmem-ft run --rdzv-poll`."),
+    EnvVar("INMEM_FT_MIN_NODES", "`torchrun_inmem.sh`", "`$NNODES`", "count, 1 to `NNODES`",
+           "The fewest nodes the job trains on: below `NNODES`, the script runs `inmem-ft run --nnodes "
+           "MIN:NNODES` and a node lost for good is trained without (see `INMEM_FT_SPARE_WAIT`)."),
+    EnvVar("INMEM_FT_SPARE_WAIT", "`inmem-ft run`, launch scripts", "`5`", "whole seconds",
+           "With a node range (`--nnodes MIN:MAX`, `NNODES=MIN:MAX`): how long the nodes left after a node loss "
+           "wait for another to take its place before they train on without it, the state resharded from memory. "
+           "Same as `inmem-ft run --spare-wait`."),
     EnvVar("INMEM_FT_AGENT", "`torchrun_inmem.sh`", "`inmem`", "`inmem` or `torchrun`",
            "`inmem` runs the node under `inmem-ft run`; `torchrun` keeps torch's restarts alone (hang detection and "
            "standbys off); the agent owns the node's SMP either way."),

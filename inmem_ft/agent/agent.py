@@ -41,6 +41,8 @@ class AgentOptions:
     wipe_on_exit: str  # finished, 1 or 0
     standbys: int | None = None  # warm standby processes; None: one per local rank
     rdzv_poll_s: float | None = None  # None: scaled with the number of nodes (rendezvous.py)
+    nodes: tuple[int, int] = (1, 1)  # --nnodes MIN, MAX
+    spare_wait_s: int = 0  # with MIN < MAX: how long the survivors of a node loss wait for a node to replace it
 
 
 class InmemAgent(LocalElasticAgent):
@@ -53,6 +55,7 @@ class InmemAgent(LocalElasticAgent):
         self._attempt = 0
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
+        self._nodes_now: int | None = None  # nodes in the last rendezvous
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
@@ -67,6 +70,11 @@ class InmemAgent(LocalElasticAgent):
             poll, nodes = self._poll
             self.say(f"event=rdzv_poll poll_s={poll:g} nodes={nodes}: the rendezvous reads its store every "
                      f"{poll * 1000:g} ms while it waits (torch's own: every {rendezvous.MAX_S:g} s)")
+        low, high = self.opts.nodes
+        if low < high:
+            self.say(f"event=elastic nodes={low}:{high} spare_wait_s={self.opts.spare_wait_s}: a lost node that no "
+                     f"node replaces within {self.opts.spare_wait_s} s is trained without (down to {low} nodes), "
+                     f"the state resharded from memory; a node that joins is taken in")
         self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
                            "INMEM_FT_SMP_SOCKET": self.opts.socket})
@@ -110,6 +118,7 @@ class InmemAgent(LocalElasticAgent):
         # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
         os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
         launched_at = time.time()
+        self._say_resized(worker_group)
         with self._onto_standbys():
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
@@ -181,6 +190,16 @@ class InmemAgent(LocalElasticAgent):
             self.standbys.off(f"local rank {first.local_rank}, started on a standby, exited with {first.exitcode} "
                               f"before training got back (its imports may have to follow its own code)"
                               + (f": {said}" if said else ""))
+
+    def _say_resized(self, worker_group) -> None:
+        """The rendezvous settled on another node count than the last: the ranks restore onto the new data-parallel
+        size from memory (the restore line says from which layout to which)."""
+        nodes, before = worker_group.group_world_size, self._nodes_now
+        self._nodes_now = nodes
+        if before is not None and nodes != before:
+            how = "shrink" if nodes < before else "grow"
+            self.say(f"event={how} nodes={before}->{nodes} world_size={worker_group.spec.local_world_size * nodes}: "
+                     f"the ranks restart at {nodes} nodes and reshard the newest protected step from memory")
 
     def _say_started(self, worker_group) -> None:
         warm = from_standbys(self._pcontext)

@@ -21,6 +21,9 @@ WORKER = "inmem_ft.agent.worker"
 
 _seconds = argtypes.bounded(float, "{text!r} is not a number of seconds >= 0", minimum=0)
 _count = argtypes.bounded(int, "{text!r} is not a whole number >= 0", minimum=0)
+# torch's rendezvous reads its last-call wait as whole seconds (RendezvousParameters.get_as_int)
+_whole_seconds = argtypes.bounded(int, "{text!r} is not a whole number of seconds >= 0", minimum=0)
+SPARE_WAIT_S = 5
 
 
 def _poll(text: str) -> float | None:
@@ -68,6 +71,12 @@ def parser() -> argparse.ArgumentParser:
                         "seconds; auto: the number of nodes x 1 ms, at least 0.05 and at most 1 (torch's fixed "
                         "poll), so that the store is read at most about 1000 times a second (default: auto, or "
                         "$INMEM_FT_RDZV_POLL)")
+    g.add_argument("--spare-wait", type=_whole_seconds, default=env("INMEM_FT_SPARE_WAIT", str(SPARE_WAIT_S)),
+                   metavar="S",
+                   help="with --nnodes MIN:MAX, how long the nodes left after a node loss wait for a node to take "
+                        "its place before they go on without it (fewer nodes, the state resharded from memory); "
+                        "torch's rendezvous last_call_timeout; with --nnodes N or N:N nothing changes (default: "
+                        f"{SPARE_WAIT_S}, or $INMEM_FT_SPARE_WAIT)")
     g.add_argument("--work-dir", default=None, metavar="DIR",
                    help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
     g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=WIPE_RULES,
@@ -84,10 +93,26 @@ STATIC_RESTARTS = ("torchrun's static rendezvous (its default without --standalo
 
 
 def options(args):
+    from torch.distributed.run import parse_min_max_nnodes
+
     from .agent import AgentOptions
 
     if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
         raise InmemFTError(STATIC_RESTARTS)
+    if isinstance(args.spare_wait, str):  # argparse checks a given value only, not $INMEM_FT_SPARE_WAIT
+        try:
+            args.spare_wait = _whole_seconds(args.spare_wait)
+        except argparse.ArgumentTypeError as e:
+            raise InmemFTError(f"--spare-wait / INMEM_FT_SPARE_WAIT: {e}") from None
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        raise InmemFTError(f"--nnodes {args.nnodes!r} must be N or MIN:MAX (whole numbers, MIN <= MAX)") from None
+    if not 1 <= min_nodes <= max_nodes:
+        raise InmemFTError(f"--nnodes {args.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
+    if min_nodes < max_nodes and args.rdzv_backend == "static":
+        raise InmemFTError(f"--nnodes {args.nnodes}: a node range needs the c10d rendezvous (--rdzv-backend c10d "
+                           f"--rdzv-endpoint HOST:PORT); torchrun's static rendezvous has a fixed node count")
     if args.wipe_on_exit not in WIPE_RULES:  # argparse checks a given value only, not $INMEM_FT_WIPE_ON_EXIT
         raise InmemFTError(f"--wipe-on-exit / INMEM_FT_WIPE_ON_EXIT {args.wipe_on_exit!r} must be finished, 1 or 0")
     job = args.job or (args.rdzv_id if args.rdzv_id != "none" else None)
@@ -107,7 +132,17 @@ def options(args):
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
                         work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys,
-                        rdzv_poll_s=args.rdzv_poll)
+                        rdzv_poll_s=args.rdzv_poll, nodes=(min_nodes, max_nodes), spare_wait_s=args.spare_wait)
+
+
+def spare_wait(args, opts) -> None:
+    """A node range: the survivors of a node loss wait `spare_wait_s` once they are at least MIN (torch's
+    last-call wait, 30 s by default), then go on at the smaller count. A last_call_timeout given in --rdzv-conf
+    is torch's own spelling of the same wait and is kept."""
+    low, high = opts.nodes
+    if low == high or "last_call_timeout" in args.rdzv_conf:
+        return
+    args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"last_call_timeout={opts.spare_wait_s}"]))
 
 
 def through_worker(args) -> None:
@@ -140,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return lines.refuse(opts.node, 2, str(e))
     through_worker(args)
+    spare_wait(args, opts)
     if not (args.redirects != "0" or args.tee != "0"):
         args.tee = "3"  # rank logs in files (their restore lines and stacks) and on the console, as before
     args.log_dir = args.log_dir or os.path.join(opts.work_dir, "logs")

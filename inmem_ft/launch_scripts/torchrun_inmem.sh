@@ -53,6 +53,9 @@
 #   INMEM_FT_STANDBYS       warm standby processes per node for `inmem-ft run` (default: one per local rank;
 #                           0: off): they have imported torch and what the ranks import, and the restarted
 #                           ranks start on them instead of importing everything again
+#   INMEM_FT_MIN_NODES      the fewest nodes the job trains on (default NNODES: a lost node must be replaced): with
+#                           fewer than NNODES, a node lost with no node taking its place within INMEM_FT_SPARE_WAIT
+#                           seconds (default 5) is trained without, the state resharded from memory (c10d only)
 #   INMEM_FT_AGENT          inmem (default) or torchrun: torch's restarts alone, hang detection and standbys off
 #                           (the SMP is still started, supervised and stopped by the agent)
 #   PYTHON                  the interpreter (default: `python` on PATH). TORCHRUN is no longer used.
@@ -95,6 +98,7 @@ NNODES="${NNODES:-1}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 MAX_RESTARTS="${INMEM_FT_MAX_RESTARTS:-3}"
+MIN_NODES="${INMEM_FT_MIN_NODES:-$NNODES}"
 RDZV_BACKEND="${INMEM_FT_RDZV_BACKEND:-c10d}"
 PYTHON="${PYTHON:-python}"
 AGENT="${INMEM_FT_AGENT:-inmem}"
@@ -104,11 +108,12 @@ AGENT="${INMEM_FT_AGENT:-inmem}"
     || fail 2 "INMEM_FT_JOB='$INMEM_FT_JOB' must be 1-64 characters of letters, digits, '_' or '-'"
 [[ -n "${INMEM_FT_MEMORY_BUDGET:-}" ]] \
     || fail 2 "INMEM_FT_MEMORY_BUDGET is not set: the shared memory this node's SMP may use, e.g. 64GiB"
-for var in NNODES NODE_RANK NPROC_PER_NODE MASTER_PORT MAX_RESTARTS; do
+for var in NNODES NODE_RANK NPROC_PER_NODE MASTER_PORT MAX_RESTARTS MIN_NODES; do
     is_uint "${!var}" || fail 2 "$var='${!var}' must be a non-negative integer"
 done
 (( NNODES >= 1 )) || fail 2 "NNODES must be at least 1"
 (( NPROC_PER_NODE >= 1 )) || fail 2 "NPROC_PER_NODE must be at least 1"
+(( MIN_NODES >= 1 && MIN_NODES <= NNODES )) || fail 2 "INMEM_FT_MIN_NODES=$MIN_NODES must be from 1 to NNODES=$NNODES"
 (( NODE_RANK < NNODES )) || fail 2 "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
     (( NNODES == 1 )) || fail 2 "MASTER_ADDR is not set: the address of node 0, reachable from every node"
@@ -152,9 +157,10 @@ if [[ "$RDZV_BACKEND" == c10d ]]; then
 else
     rdzv+=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT")
 fi
-cmd=("$PYTHON" -m inmem_ft run "${agent[@]}" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" "${rdzv[@]}"
+nnodes="$NNODES"; (( MIN_NODES < NNODES )) && nnodes="$MIN_NODES:$NNODES"
+cmd=("$PYTHON" -m inmem_ft run "${agent[@]}" --nnodes="$nnodes" --nproc-per-node="$NPROC_PER_NODE" "${rdzv[@]}"
      --max-restarts="$MAX_RESTARTS" "${torchrun_extra[@]}" "$@")
-log "start job=${INMEM_FT_JOB} nnodes=${NNODES} nproc_per_node=${NPROC_PER_NODE}" \
+log "start job=${INMEM_FT_JOB} nnodes=${nnodes} nproc_per_node=${NPROC_PER_NODE}" \
     "master=${MASTER_ADDR}:${MASTER_PORT} rdzv=${RDZV_BACKEND} max_restarts=${MAX_RESTARTS}"
 log "torchrun cmd=\"${cmd[*]}\""
 exec "${cmd[@]}"
