@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 from .deprecation import deprecated
 from .errors import ConfigError
+from .globalbatch import ON_SHRINK
 from .smp import paths
 from .units import parse_size
 
@@ -153,6 +154,10 @@ class InmemFTBlock:
     reshard: str = "auto"
     """A job back on another layout (DP size, ZeRO stage): 'auto' rebuilds each rank's state from the old
     layout's snapshots; 'never' stops with LayoutMismatch instead."""
+    on_shrink: str = "keep"
+    """The data-parallel size changed (a node lost for good, one taken back) and the global batch does not divide
+    by micro batch x DP: 'keep' trains with the nearest gradient accumulation and says the new global batch,
+    'refuse' stops the job instead (globalbatch.py)."""
     partition_dims: dict | None = None
     """Tensor parallelism: {pattern: dim or null} for the parameters whose module does not mark how they are
     split (Megatron's `tensor_model_parallel`/`partition_dim` attributes). A pattern (fnmatch) matches the
@@ -206,6 +211,8 @@ class InmemFTBlock:
                                        f"can be flushed")
         if self.reshard not in RESHARD:
             bad("reshard", f"must be one of {RESHARD}")
+        if self.on_shrink not in ON_SHRINK:
+            bad("on_shrink", f"must be one of {ON_SHRINK}")
         if self.partition_dims is not None and not (
                 isinstance(self.partition_dims, dict)
                 and all(isinstance(k, str) and k and (v is None or _is_int(v) and v >= 0)

@@ -99,11 +99,6 @@ def options(args):
 
     if args.rdzv_backend == "static" and not args.standalone and args.max_restarts > 0:
         raise InmemFTError(STATIC_RESTARTS)
-    if isinstance(args.spare_wait, str):  # argparse checks a given value only, not $INMEM_FT_SPARE_WAIT
-        try:
-            args.spare_wait = _whole_seconds(args.spare_wait)
-        except argparse.ArgumentTypeError as e:
-            raise InmemFTError(f"--spare-wait / INMEM_FT_SPARE_WAIT: {e}") from None
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
     except (RuntimeError, ValueError):

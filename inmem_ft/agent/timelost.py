@@ -29,7 +29,7 @@ PARTS = ("detection", "teardown", "agent rendezvous", "start and imports", "rend
          "recompute")
 
 _RESTORE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\brestore rank=\d+ step=(\d+) source=\S+ "
-                      r"seconds=([\d.]+)(.*)$", re.M)
+                      r"(?:from=\S+ to=\S+ )?seconds=([\d.]+)(.*)$", re.M)
 _PHASE = re.compile(r"\b(\w+)_s=([\d.]+)")
 
 

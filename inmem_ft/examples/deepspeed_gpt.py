@@ -84,7 +84,12 @@ class TokenStream:
 class GlobalBatches:
     """Layout-independent data: batch `position` is `size` sequences drawn from (seed, position) alone, and
     data-parallel rank d of n trains on rows [d*size/n, (d+1)*size/n). Any DP size then trains on the same
-    global batches, so runs on two layouts are comparable step by step (the loss up to reduction order)."""
+    global batches, so runs on two layouts are comparable step by step (the loss up to reduction order).
+
+    What it guarantees across a change of the DP size (a shrink onto fewer nodes, a grow back): the position is
+    the number of global batches trained, so a job resumed from a snapshot at step s on any DP size trains
+    global batch s next, every one of its sequences exactly once (split into more micro batches where the
+    gradient accumulation grew): no sample is skipped or repeated in the global order."""
 
     def __init__(self, seed: int, size: int, dp_rank: int, dp_size: int):
         if size % dp_size:
@@ -166,16 +171,20 @@ def dump_full(engine, stream, path: str, rank: int, restored, zero3_weights: boo
 
 
 def train_step(engine, stream) -> float:
-    """One optimizer step on the stream's next batch; the loss, averaged over the ranks."""
+    """One optimizer step on the stream's next batch (in gradient_accumulation_steps micro batches); the loss,
+    averaged over the micro batches and the ranks."""
     import deepspeed
 
     x, y = stream.next()
-    loss = engine(x, y)
-    engine.backward(loss)
-    engine.step()  # inmem_ft snapshots here every `interval` steps
-    mean = loss.detach().float().clone()
-    deepspeed.comm.all_reduce(mean)
-    return mean.item() / deepspeed.comm.get_world_size()
+    accumulation = engine.gradient_accumulation_steps()
+    total = torch.zeros(())
+    for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+        loss = engine(xs, ys)
+        engine.backward(loss)
+        engine.step()  # an optimizer step at the last micro batch; inmem_ft snapshots there every `interval`
+        total += loss.detach().float()
+    deepspeed.comm.all_reduce(total)
+    return total.item() / (accumulation * deepspeed.comm.get_world_size())
 
 
 def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BATCH, accumulation: int = 1) -> dict:
@@ -202,6 +211,10 @@ def main() -> None:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--global-batch", type=int, default=None,
                    help="train every DP layout on the same global batches of this many sequences (GlobalBatches)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="with --global-batch: sequences per forward; the gradient accumulation covers the rest, "
+                        "also after the job shrinks or grows (keep_global_batch; default: global batch / DP)")
+    p.add_argument("--on-shrink", default=None, choices=["keep", "refuse"], help="the inmem_ft block's on_shrink")
     p.add_argument("--reshard", default=None, choices=["auto", "never"], help="the inmem_ft block's reshard")
     p.add_argument("--load-dir", default=None, help="with --no-inmem: stock load_checkpoint from here first")
     p.add_argument("--dump-state", default=None, help="after restore/load: write each rank's state digest to "
@@ -213,7 +226,7 @@ def main() -> None:
     args = parse(p)
 
     deepspeed = start()
-    from inmem_ft.integrations.deepspeed import install
+    from inmem_ft.integrations.deepspeed import install, keep_global_batch
 
     rank = deepspeed.comm.get_rank()
     if args.config:
@@ -222,12 +235,21 @@ def main() -> None:
         config.setdefault("inmem_ft", {})["interval"] = args.interval
     else:
         world = deepspeed.comm.get_world_size()
-        micro = args.global_batch // world if args.global_batch else MICRO_BATCH
+        micro = args.micro_batch or (args.global_batch // world if args.global_batch else MICRO_BATCH)
         config = ds_config(args.zero_stage, args.dtype, args.interval, micro)
+        if args.global_batch and args.micro_batch:
+            config["train_batch_size"] = args.global_batch
     if args.reshard:
         config["inmem_ft"]["reshard"] = args.reshard
+    if args.on_shrink:
+        config["inmem_ft"]["on_shrink"] = args.on_shrink
+    config = keep_global_batch(config, deepspeed.comm.get_world_size())
     if args.no_inmem:
         config.pop("inmem_ft", None)
+    if rank == 0:
+        print(f"[example] batch global={config.get('train_batch_size', 'derived')} micro="
+              f"{config['train_micro_batch_size_per_gpu']} accumulation={config['gradient_accumulation_steps']} "
+              f"dp={deepspeed.comm.get_world_size()}", flush=True)
 
     torch.manual_seed(0)
     model = GPT(args.layers, args.hidden, dropout=args.dropout)

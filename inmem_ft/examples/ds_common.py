@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 
@@ -29,12 +30,17 @@ def add_run_args(p: argparse.ArgumentParser, *, hidden: int = 64, dump_help: str
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
     p.add_argument("--die-rank", type=int, default=0)
+    p.add_argument("--lose-node-at", type=int, default=None,
+                   help="failure injection: after this step, once the newest snapshot is protected, SIGKILL this "
+                        "rank's node (its SMP, its agent, itself: --die-rank's; first attempt only)")
 
 
 def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     args = p.parse_args()
+    if args.dump_full:  # one dump per attempt where the path asks for it (a shrink's restart dumps the restore)
+        args.dump_full = args.dump_full.replace("{restart}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        args.die_at = None  # torchrun restarted us after the injected failure: do not fail again
+        args.die_at = args.lose_node_at = None  # torchrun restarted us after the injected failure: not again
     return args
 
 
@@ -67,6 +73,27 @@ def die_if_asked(args: argparse.Namespace, step: int, rank: int, handle) -> None
         if handle is not None:
             handle.wait()
         os.kill(os.getpid(), signal.SIGKILL)
+    if step == args.lose_node_at and rank == args.die_rank:
+        lose_node(handle)
+
+
+def lose_node(handle, wait_s: float = 120.0) -> None:
+    """A node's power loss, at a known step: once this rank's newest snapshot is in and its SMP's EC group has
+    protected it (what the survivors rebuild is then fixed), SIGKILL the node's SMP, then the agent above this
+    rank (`inmem-ft run`, before it can restart anything), then this rank. One rank per node."""
+    from inmem_ft.smp import control
+
+    handle.wait()
+    socket, newest = handle.snap.config.socket_path, handle.snap.complete
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        status = control.call(socket, "status")
+        if (status["ec"] or {}).get("protected_step") is not None and status["ec"]["protected_step"] >= newest:
+            break
+        time.sleep(0.05)
+    os.kill(status["pid"], signal.SIGKILL)
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def finish(args: argparse.Namespace, engine, handle) -> None:

@@ -6,6 +6,7 @@
 engine.save_checkpoint / load_checkpoint keep working and go to the SMP (load from memory when it holds
 the tag, else from disk). See handle.py for the flow and docs/design.md for DeepSpeed.
 """
+from .batch import keep_global_batch
 from .handle import Handle, Restored, install
 
 
@@ -13,11 +14,17 @@ def initialize(*args, **kwargs):
     """deepspeed.initialize, then install() when the config has an enabled inmem_ft block.
 
     Returns DeepSpeed's tuple; the handle is `engine.inmem_ft` (None when disabled). Extra state cannot be
-    passed here: call install() yourself for that.
+    passed here: call install() yourself for that. A config dict that gives train_batch_size and the micro batch
+    keeps its global batch on whatever data-parallel size the job runs on (keep_global_batch; without an `mpu`,
+    DP is the world size).
     """
+    import os
+
     import deepspeed
 
     cpu_setup()
+    if isinstance(kwargs.get("config"), dict) and kwargs.get("mpu") is None:
+        kwargs["config"] = keep_global_batch(kwargs["config"], int(os.environ.get("WORLD_SIZE", "1")))
     out = deepspeed.initialize(*args, **kwargs)
     out[0].inmem_ft = install(out[0])
     return out
@@ -39,4 +46,4 @@ def cpu_setup() -> None:
         versions.gloo_all_gather_without_autograd()
 
 
-__all__ = ["install", "initialize", "Handle", "Restored", "cpu_setup"]
+__all__ = ["install", "initialize", "Handle", "Restored", "cpu_setup", "keep_global_batch"]

@@ -1,0 +1,179 @@
+"""Issue 41: elastic continue-from-memory under the production agent. Three `inmem-ft run` agents are three nodes
+(one rank each, their SMPs an EC group with m=1) of the DeepSpeed GPT example, ZeRO-2, a global batch of 12 in
+micro batches of 2. A node lost for good with `--nnodes 2:3`: the survivors go on at 2 nodes, resharding step 6
+from memory (the lost node's shards from parity), the state right after the restore equal to the 3-node run's
+at step 6, the global batch kept by a larger gradient accumulation, the data position continuous."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from inmem_ft.agent import run
+from inmem_ft.config import InmemFTBlock
+from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
+from inmem_ft.globalbatch import GlobalBatchRefused, for_dp
+from inmem_ft.integrations.deepspeed.batch import keep_global_batch
+from inmem_ft.launcher.ports import free_port
+from inmem_ft.smp import control, inventory, paths
+from inmem_ft.smp.segments import names_with_prefix, unlink
+
+NODES, STEPS, INTERVAL, LOST_AT, LOST = 3, 12, 3, 7, 2  # node 2 is lost after step 7: step 6 is resharded
+EXAMPLE = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", str(STEPS), "--interval",
+           str(INTERVAL), "--global-batch", "12", "--micro-batch", "2", "--dropout", "0", "--layers", "1"]
+# torch's rendezvous drops a node that stopped its keep-alives after interval x attempts (5 x 3 s by default):
+# the survivors' next round starts then; 1 x 2 s keeps the test short.
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=2"
+
+
+class Cluster:
+    """`nodes` agents on one box, each its own node: its loopback address (torch orders nodes by it), its SMP,
+    its work dir; the rendezvous store held by the test, so that losing any node leaves it."""
+
+    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=()):
+        from torch.distributed import TCPStore
+
+        self.tmp, self.job, self.nodes = tmp, job, nodes
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        first = free_port(nodes)
+        peers = ",".join(f"{n}=127.0.0.1:{first + n}" for n in range(nodes))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
+        self.env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "INMEM_FT_RUNTIME_DIR": str(tmp / "run"),
+                         "INMEM_FT_SECRET": "elastic-test-secret-0123456789"})
+        self.command = [sys.executable, "-m", "inmem_ft", "run", "--nnodes", nnodes, "--nproc-per-node", "1",
+                        "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-endpoint", f"127.0.0.1:{self.store.port}",
+                        "--rdzv-conf", f"is_host=0,{KEEP_ALIVE}", "--max-restarts", "2", "--monitor-interval", "0.1",
+                        "--job", job, "--memory-budget", "128MiB", "--standbys", "0", "--wipe-on-exit", "1",
+                        "--smp-args", f"--parity 1 --nodes {nodes} --group-size {nodes} --peers {peers}",
+                        *agent_args]
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self, node: int, example_args) -> None:
+        out = open(self.tmp / f"agent{node}.out", "w")
+        self.procs[node] = subprocess.Popen(
+            [*self.command, "--local-addr", f"127.0.1.{100 + node}", "--node-rank", str(node),
+             "--work-dir", str(self.tmp / f"work{node}"), *EXAMPLE, *example_args],
+            env={**self.env, "INMEM_FT_NODE": str(node)}, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+
+    def wait(self, timeout_s: float) -> dict[int, int]:
+        try:
+            return {n: p.wait(timeout=timeout_s) for n, p in self.procs.items()}
+        except subprocess.TimeoutExpired:
+            raise AssertionError("agents timed out:\n" + "\n".join(self.out(n)[-4000:] for n in self.procs))
+
+    def out(self, node: int) -> str:
+        return (self.tmp / f"agent{node}.out").read_text()
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        os.environ["INMEM_FT_RUNTIME_DIR"], saved = str(self.tmp / "run"), os.environ.get("INMEM_FT_RUNTIME_DIR")
+        try:
+            for node in range(self.nodes):
+                sock = paths.default_socket(self.job, node)
+                found = control.ping(sock) if os.path.exists(sock) else None
+                if found:
+                    os.kill(found["pid"], signal.SIGKILL)
+                inventory.remove(self.job, node)
+        finally:
+            if saved is None:
+                del os.environ["INMEM_FT_RUNTIME_DIR"]
+            else:
+                os.environ["INMEM_FT_RUNTIME_DIR"] = saved
+        for seg in names_with_prefix(f"inmemft.{self.job}."):
+            unlink(seg)
+
+
+@pytest.fixture
+def cluster(tmp_path, job):
+    made = []
+
+    def make(nnodes: str, agent_args=()):
+        made.append(Cluster(tmp_path, job, NODES, nnodes, agent_args))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_a_node_lost_for_good_the_survivors_reshard_from_memory_and_go_on_with_the_global_batch(cluster, tmp_path):
+    c = cluster("2:3", ["--spare-wait", "1"])
+    dump = tmp_path / "state{restart}.pt"
+    for node in range(NODES):
+        c.start(node, ["--loss-log", str(tmp_path / "loss.jsonl"), "--lose-node-at", str(LOST_AT), "--die-rank",
+                       str(LOST), "--dump-full", str(dump), "--dump-step", "6"])
+    codes = c.wait(300)
+    survivors = [c.out(n) for n in range(NODES) if n != LOST]
+    assert codes[LOST] == -signal.SIGKILL and [codes[n] for n in range(NODES) if n != LOST] == [0, 0], survivors
+    for out in survivors:
+        assert "event=elastic nodes=2:3 spare_wait_s=1" in out
+        assert "event=shrink nodes=3->2 world_size=2" in out, out
+    both = "\n".join(survivors)
+    assert "[example] batch global=12 micro=2 accumulation=2 dp=3" in both
+    assert "[example] batch global=12 micro=2 accumulation=3 dp=2" in both  # the global batch kept
+    # Step 6 resharded from memory onto DP 2; the lost node's shards (in rank 1's new range) rebuilt from parity.
+    lines = [next(ln for ln in both.splitlines() if f"restore rank={rank} step=6 source=memory_resharded" in ln)
+             for rank in (0, 1)]
+    assert all("from=tp1.pp1.dp3.zero2 to=tp1.pp1.dp2.zero2" in ln and "bytes_disk" not in ln for ln in lines)
+    assert "bytes_parity=" in lines[1], lines
+    # The state right after the restore is the 3-node run's at step 6, tensor for tensor, and so are the step,
+    # the scheduler and the data position.
+    before, after = torch.load(str(dump).format(restart=0)), torch.load(str(dump).format(restart=1))
+    assert sorted(before) == sorted(after)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    counters = [json.loads(open(f"{str(dump).format(restart=r)}.json").read()) for r in (0, 1)]
+    assert counters[1]["restored"] == "memory_resharded"
+    assert {k: v for k, v in counters[0].items() if k != "restored"} == \
+           {k: v for k, v in counters[1].items() if k != "restored"}
+    assert counters[1]["position"] == 6 and counters[1]["global_samples"] == 6 * 12
+    # No global batch skipped or trained twice: step 7 (lost with the node) again, then on to the end.
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "loss.jsonl")]
+    assert steps == [*range(1, LOST_AT + 1), *range(7, STEPS + 1)], steps
+    # The time the shrink cost, part by part, as for any restart (the restore line names the two layouts).
+    [split] = json.loads((tmp_path / "work0" / "time_lost.json").read_text())
+    assert split["restored_step"] == 6 and all(p["seconds"] is not None for p in split["parts"]), split
+
+
+@pytest.mark.parametrize("dp, on_shrink, accumulation, size", [
+    (3, "keep", 2, 12), (2, "keep", 3, 12), (4, "keep", 2, 16), (5, "keep", 1, 10), (1, "refuse", 6, 12)])
+def test_the_accumulation_covers_the_ranks_that_came_or_went_else_on_shrink_decides(dp, on_shrink, accumulation,
+                                                                                     size):
+    batch = for_dp(12, 2, dp, on_shrink)
+    assert (batch.accumulation, batch.size) == (accumulation, size)
+    assert batch.kept == (size == 12)
+    assert (f"a global batch of {size}" in batch.note()) == (size != 12)
+
+
+def test_on_shrink_refuse_stops_the_job_with_one_line_and_bad_values_are_refused():
+    with pytest.raises(GlobalBatchRefused, match="does not divide by micro batch 2 x 5 data-parallel ranks") as e:
+        for_dp(12, 2, 5, "refuse")
+    assert e.value.exit_code == STOP_EXIT  # the agent does not restart into the same refusal
+    with pytest.raises(ConfigError, match="'on_shrink' = 'wait': must be one of"):
+        InmemFTBlock.from_dict({"on_shrink": "wait"})
+    config = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+    assert keep_global_batch(config, 2) == {**config, "gradient_accumulation_steps": 3}
+    assert keep_global_batch({"train_micro_batch_size_per_gpu": 2}, 2) == {"train_micro_batch_size_per_gpu": 2}
+
+
+def test_spare_wait_is_torchs_last_call_wait_only_for_a_node_range(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("INMEM_FT_RUNTIME_DIR", str(tmp_path))
+    base = ["--job", "j", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "x.py"]
+    for nnodes, conf in (("2:3", "is_host=0,last_call_timeout=7"), ("3", "is_host=0"), ("3:3", "is_host=0")):
+        args = run.parser().parse_args(["--nnodes", nnodes, "--spare-wait", "7", "--rdzv-conf", "is_host=0", *base])
+        run.spare_wait(args, run.options(args))
+        assert args.rdzv_conf == conf
+    with pytest.raises(InmemFTError, match="a node range needs the c10d rendezvous"):
+        run.options(run.parser().parse_args(["--nnodes", "2:3", "--max-restarts", "0", "--job", "j", "x.py"]))
+    monkeypatch.setenv("INMEM_FT_SPARE_WAIT", "soon")  # a string default goes through the option's type too
+    with pytest.raises(SystemExit):
+        run.parser().parse_args(["--nnodes", "2:3", *base])
+    assert "argument --spare-wait: 'soon' is not a whole number of seconds >= 0" in capsys.readouterr().err
