@@ -3,11 +3,14 @@
 micro batches of 2. A node lost for good with `--nnodes 2:3`: the survivors go on at 2 nodes, resharding step 6
 from memory (the lost node's shards from parity), the state right after the restore equal to the 3-node run's
 at step 6, the global batch kept by a larger gradient accumulation, the data position continuous."""
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -81,7 +84,8 @@ class Cluster:
                 sock = paths.default_socket(self.job, node)
                 found = control.ping(sock) if os.path.exists(sock) else None
                 if found:
-                    os.kill(found["pid"], signal.SIGKILL)
+                    with contextlib.suppress(ProcessLookupError):  # it may be exiting by itself
+                        os.kill(found["pid"], signal.SIGKILL)
                 inventory.remove(self.job, node)
         finally:
             if saved is None:
@@ -177,3 +181,39 @@ def test_spare_wait_is_torchs_last_call_wait_only_for_a_node_range(monkeypatch, 
     with pytest.raises(SystemExit):
         run.parser().parse_args(["--nnodes", "2:3", *base])
     assert "argument --spare-wait: 'soon' is not a whole number of seconds >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_complete_step(cluster, tmp_path):
+    """After the shrink to 2 nodes, node 2 starts again (a new agent, an empty SMP): the agents take it in once
+    the next step is complete in memory, and all three ranks reshard that step from DP 2 onto DP 3."""
+    c = cluster("2:3", ["--spare-wait", "1"])
+    log = tmp_path / "loss.jsonl"
+    args = ["--loss-log", str(log), "--steps", "100000", "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)]
+    for node in range(NODES):
+        c.start(node, args)
+    deadline = time.monotonic() + 300
+
+    def until(check, what):
+        while not check():
+            assert time.monotonic() < deadline and c.procs[0].poll() is None, f"no {what}:\n" + c.out(0)[-4000:]
+            time.sleep(0.2)
+
+    until(lambda: "event=shrink nodes=3->2" in c.out(0), "shrink")
+    c.start(LOST, args)
+    until(lambda: "event=grow nodes=2->3" in c.out(0), "grow")
+    pattern = re.compile(r"restore rank=2 step=(\d+) source=memory_resharded from=tp1.pp1.dp2.zero2 "
+                         r"to=tp1.pp1.dp3.zero2")
+    until(lambda: pattern.search(c.out(LOST)), "restore onto DP 3")
+    grown = int(pattern.search(c.out(LOST)).group(1))
+    until(lambda: max(json.loads(ln)["step"] for ln in open(log)) >= grown + 2 * INTERVAL, "training at 3 nodes")
+    for p in c.procs.values():
+        p.send_signal(signal.SIGTERM)
+    assert set(c.wait(120).values()) == {128 + signal.SIGTERM}
+    assert "event=node_waiting count=1" in c.out(0)
+    assert c.out(0).count("[example] batch global=12 micro=2 accumulation=2 dp=3") == 2  # at the start, grown
+    # Each restart goes on from the step it restored: the global order has no gap and no step twice in a row.
+    steps = [json.loads(line)["step"] for line in open(log)]
+    restarts = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
+    assert [steps[i] for i in restarts][:2] == [7, grown + 1], steps
+    assert all(steps[i] <= steps[i - 1] for i in restarts), steps

@@ -59,6 +59,9 @@ class InmemAgent(LocalElasticAgent):
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
+        self._joining_after: int | None = None  # with a node waiting to join: the step complete when it came
+        if options.nodes[0] < options.nodes[1]:
+            self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
 
     def say(self, text: str) -> None:
         """One `[inmem_ft] agent node=N event=...` line in the job's log."""
@@ -199,7 +202,34 @@ class InmemAgent(LocalElasticAgent):
         if before is not None and nodes != before:
             how = "shrink" if nodes < before else "grow"
             self.say(f"event={how} nodes={before}->{nodes} world_size={worker_group.spec.local_world_size * nodes}: "
-                     f"the ranks restart at {nodes} nodes and reshard the newest protected step from memory")
+                     f"the ranks restart at {nodes} nodes and reshard the newest complete step from memory")
+            if nodes < before and "--parity" in self.opts.smp_args:
+                self.say(f"event=degraded nodes={nodes}: the SMPs' erasure-coding groups were formed over "
+                         f"{before} nodes; the steps taken from now on are not protected against another node "
+                         f"loss (it falls to the disk tier) until the job runs on {before} nodes again")
+
+    def _joins_at_snapshots(self, handler) -> None:
+        """torch's agent restarts the ranks as soon as its rendezvous has a node waiting (a grow); here a waiting
+        node counts from the next step complete in memory on, so the restart loses no training: every rank
+        reshards that step onto the larger size. Where no step completes (no snapshots, the SMP not answering)
+        it counts at once, as under torch."""
+        waiting = handler.num_nodes_waiting
+
+        def at_snapshot() -> int:
+            count = waiting()
+            if not count:
+                self._joining_after = None
+                return 0
+            complete = self.smp.complete_step()
+            if self._joining_after is None:
+                self._joining_after = complete if complete is not None else -1
+                self.say(f"event=node_waiting count={count}: taken in once the step after {complete} is complete "
+                         f"in memory")
+            if complete is None or complete > self._joining_after:
+                return count
+            return 0
+
+        handler.num_nodes_waiting = at_snapshot
 
     def _say_started(self, worker_group) -> None:
         warm = from_standbys(self._pcontext)
