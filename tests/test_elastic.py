@@ -22,7 +22,7 @@ from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
 from inmem_ft.globalbatch import GlobalBatchRefused, for_dp
 from inmem_ft.integrations.deepspeed.batch import keep_global_batch
 from inmem_ft.launcher.ports import free_port
-from inmem_ft.smp import control, inventory, paths
+from inmem_ft.smp import control
 from inmem_ft.smp.segments import names_with_prefix, unlink
 
 NODES, STEPS, INTERVAL, LOST_AT, LOST = 3, 12, 3, 7, 2  # node 2 is lost after step 7: step 6 is resharded
@@ -78,20 +78,12 @@ class Cluster:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        os.environ["INMEM_FT_RUNTIME_DIR"], saved = str(self.tmp / "run"), os.environ.get("INMEM_FT_RUNTIME_DIR")
-        try:
-            for node in range(self.nodes):
-                sock = paths.default_socket(self.job, node)
-                found = control.ping(sock) if os.path.exists(sock) else None
-                if found:
-                    with contextlib.suppress(ProcessLookupError):  # it may be exiting by itself
-                        os.kill(found["pid"], signal.SIGKILL)
-                inventory.remove(self.job, node)
-        finally:
-            if saved is None:
-                del os.environ["INMEM_FT_RUNTIME_DIR"]
-            else:
-                os.environ["INMEM_FT_RUNTIME_DIR"] = saved
+        for node in range(self.nodes):  # what a killed agent could not stop
+            sock = str(self.tmp / "run" / self.job / f"node{node}.sock")
+            found = control.ping(sock) if os.path.exists(sock) else None
+            if found:
+                with contextlib.suppress(ProcessLookupError):  # it may be exiting by itself
+                    os.kill(found["pid"], signal.SIGKILL)
         for seg in names_with_prefix(f"inmemft.{self.job}."):
             unlink(seg)
 
