@@ -239,6 +239,7 @@ def test_secret_reaches_the_smp_only_and_smp_args_pass_through(nodes, runtime):
     ({"INMEM_FT_SECRET_FILE": "{missing}"}, "does not exist or is not readable"),
     ({"INMEM_FT_JOB": "a/b"}, "INMEM_FT_JOB='a/b' must be 1-64 characters"),
     ({"NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+    ({"INMEM_FT_MIN_NODES": "3"}, "INMEM_FT_MIN_NODES=3 must be from 1 to NNODES=2"),
     ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE='two' must be a non-negative integer"),
     ({"INMEM_FT_MEMORY_BUDGET": "lots"}, "the SMP did not start"),
