@@ -156,7 +156,8 @@ def format_status(status: dict) -> str:
     if ec:
         lines.append(f"erasure coding: group {ec['group']}, survives {ec['m']} lost node(s); newest protected "
                      f"step {_or(ec['protected_step'])}; EC lag {_lag(ec['ec_lag_s'])}; parity "
-                     f"{units.human(ec['parity_bytes'])}; rebuild {ec['rebuild']}, {ec['rebuilds']} done")
+                     f"{units.human(ec['parity_bytes'])}; rebuild {ec['rebuild']}, {ec['rebuilds']} done"
+                     + (f"; DEGRADED: {ec['degraded']}" if ec["degraded"] else ""))
     disk = status["disk"]
     lines.append("disk tier: off (no --persist-dir)" if not disk else
                  f"disk tier: {disk['dir']}; newest step flushed {_or(disk['flushed_step'])}; flush lag "

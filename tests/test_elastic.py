@@ -24,6 +24,7 @@ from inmem_ft.integrations.deepspeed.batch import keep_global_batch
 from inmem_ft.launcher.ports import free_port
 from inmem_ft.smp import control
 from inmem_ft.smp.segments import names_with_prefix, unlink
+from inmem_ft.telemetry import read_losses
 
 NODES, STEPS, INTERVAL, LOST_AT, LOST = 3, 12, 3, 7, 2  # node 2 is lost after step 7: step 6 is resharded
 EXAMPLE = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", str(STEPS), "--interval",
@@ -92,8 +93,10 @@ class Cluster:
 def cluster(tmp_path, job):
     made = []
 
-    def make(nnodes: str, agent_args=()):
-        made.append(Cluster(tmp_path, job, NODES, nnodes, agent_args))
+    def make(nnodes: str, agent_args=(), name: str = ""):
+        """`name`: a run of its own (folder, job id) beside others in the same test."""
+        (tmp_path / name).mkdir(exist_ok=True)
+        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args))
         return made[-1]
 
     yield make
@@ -176,6 +179,27 @@ def test_spare_wait_is_torchs_last_call_wait_only_for_a_node_range(monkeypatch, 
 
 
 @pytest.mark.slow
+def test_after_a_shrink_a_restart_on_the_smaller_layout_is_bit_identical_to_none(cluster, tmp_path):
+    """Two runs lose node 2 after step 7 and go on at 2 nodes from step 6; in the second, rank 1 is killed after
+    step 10 as well and the job restarts on 2 nodes from step 9: each step's last loss equals the first run's."""
+    runs = {}
+    for name, extra in (("plain", []), ("killed", ["--die-at", "10", "--die-rank", "1", "--die-attempt", "1"])):
+        c = cluster("2:3", ["--spare-wait", "1"], name)
+        log = tmp_path / f"{name}.jsonl"
+        for node in range(NODES):
+            c.start(node, ["--loss-log", str(log), "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)]
+                    if node == LOST else ["--loss-log", str(log), *extra])
+        codes = c.wait(300)
+        assert [codes[n] for n in range(NODES) if n != LOST] == [0, 0], c.out(0)[-4000:]
+        c.close()
+        runs[name] = read_losses(log)
+        if name == "killed":
+            assert "restore rank=1 step=9 source=memory seconds=" in c.out(1), c.out(1)[-4000:]
+    assert sorted(runs["plain"]) == list(range(1, STEPS + 1))
+    assert runs["killed"] == runs["plain"]
+
+
+@pytest.mark.slow
 def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_complete_step(cluster, tmp_path):
     """After the shrink to 2 nodes, node 2 starts again (a new agent, an empty SMP): the agents take it in once
     the next step is complete in memory, and all three ranks reshard that step from DP 2 onto DP 3."""
@@ -192,6 +216,16 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_complete_step(
             time.sleep(0.2)
 
     until(lambda: "event=shrink nodes=3->2" in c.out(0), "shrink")
+    smp0 = str(c.tmp / "run" / c.job / "node0.sock")
+
+    def ec():
+        return control.call(smp0, "status")["ec"]
+
+    # The SMPs' groups still span the lost node: the steps after the shrink go unprotected, and say so.
+    until(lambda: ec()["degraded"], "degraded EC status")
+    assert "is unreachable" in ec()["degraded"] and "DEGRADED: step" in subprocess.run(
+        [sys.executable, "-m", "inmem_ft", "smp", "status", "--socket", smp0], capture_output=True, text=True,
+        env=c.env).stdout
     c.start(LOST, args)
     until(lambda: "event=grow nodes=2->3" in c.out(0), "grow")
     pattern = re.compile(r"restore rank=2 step=(\d+) source=memory_resharded from=tp1.pp1.dp2.zero2 "
@@ -199,6 +233,7 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_complete_step(
     until(lambda: pattern.search(c.out(LOST)), "restore onto DP 3")
     grown = int(pattern.search(c.out(LOST)).group(1))
     until(lambda: max(json.loads(ln)["step"] for ln in open(log)) >= grown + 2 * INTERVAL, "training at 3 nodes")
+    until(lambda: ec()["degraded"] is None and ec()["protected_step"] > grown, "protection over 3 nodes again")
     for p in c.procs.values():
         p.send_signal(signal.SIGTERM)
     assert set(c.wait(120).values()) == {128 + signal.SIGTERM}

@@ -158,6 +158,7 @@ def test_erasure_coding_disk_and_peer_metrics(job, runtime, monkeypatch):
     assert value(found, "inmem_ft_ec_lag_seconds", job=job) == ec["ec_lag_s"] >= 0
     assert value(found, "inmem_ft_ec_rebuilds_total", job=job) == ec["rebuilds"] == 0
     assert value(found, "inmem_ft_ec_rebuild_running", job=job) == 0
+    assert value(found, "inmem_ft_ec_degraded", job=job) == 0 and ec["degraded"] is None
     assert status["peers"] == [{"node": 1, "addr": status["peers"][0]["addr"], "state": "up"}]
     assert value(found, "inmem_ft_peer_up", job=job, peer="1") == 1
     check_against_status(found, status)

@@ -81,6 +81,7 @@ class Protector:
         # The step whose protection failed here, given up or waiting for a retry: a begin may overwrite the older
         # protected step's slots (the SMP's pins), so a retry never holds off the next snapshot.
         self.failed: int | None = None
+        self.failed_why = ""  # what made `failed` fail
         # The step this node gave up protecting: what its peers are told, so that they stop waiting for it.
         self.gave_up: int | None = None
         self.lag_s: float | None = None
@@ -164,9 +165,17 @@ class Protector:
 
     def status(self) -> dict:
         return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
+                "degraded": self.degraded(),
                 "parity_steps": {s: ps.state for s, ps in sorted(self.sets.items())}, "ec_lag_s": self.lag_s,
                 "parity_bytes": self.parity_bytes(), "rebuilds": self.rebuilds,
                 "rebuild": "running" if not self.rebuild_done.is_set() else (self.rebuild_error or "ok")}
+
+    def degraded(self) -> str | None:
+        """Why the newest step this node tried to protect is not, while no newer one is (a member of the group
+        lost for good, say, after the job shrank onto the survivors); None when it is protected."""
+        if self.failed is None or (self.protected is not None and self.protected > self.failed):
+            return None
+        return f"step {self.failed} is not protected: {self.failed_why}"
 
     def parity_bytes(self) -> int:
         return sum(ps.segment.size for ps in self.sets.values())
@@ -202,7 +211,7 @@ class Protector:
                     if ps is not None and ps.state != PROTECTED:
                         self.sets.pop(step).drop()
                     if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
-                        self.failed = step
+                        self.failed, self.failed_why = step, str(e)
                 error = e
             transient = isinstance(error, PeerUnavailable) and not isinstance(error, PeerRefused)
             superseded = self._superseded(step, epoch)

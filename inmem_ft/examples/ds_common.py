@@ -30,6 +30,9 @@ def add_run_args(p: argparse.ArgumentParser, *, hidden: int = 64, dump_help: str
     p.add_argument("--die-at", type=int, default=None,
                    help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
     p.add_argument("--die-rank", type=int, default=0)
+    p.add_argument("--die-attempt", type=int, default=0,
+                   help="with --die-at: the attempt it applies to, as torch elastic counts restarts (default: 0, the "
+                        "first; 1: the first restart, e.g. on the layout after a shrink)")
     p.add_argument("--lose-node-at", type=int, default=None,
                    help="failure injection: after this step, once the newest snapshot is protected, SIGKILL this "
                         "rank's node (its SMP, its agent, itself: --die-rank's; first attempt only)")
@@ -39,8 +42,11 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     args = p.parse_args()
     if args.dump_full:  # one dump per attempt where the path asks for it (a shrink's restart dumps the restore)
         args.dump_full = args.dump_full.replace("{restart}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        args.die_at = args.lose_node_at = None  # torchrun restarted us after the injected failure: not again
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart != args.die_attempt:
+        args.die_at = None  # torchrun restarted us after the injected failure: not again
+    if restart:
+        args.lose_node_at = None
     return args
 
 
