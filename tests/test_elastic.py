@@ -200,9 +200,9 @@ def test_after_a_shrink_a_restart_on_the_smaller_layout_is_bit_identical_to_none
 
 
 @pytest.mark.slow
-def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_complete_step(cluster, tmp_path):
-    """After the shrink to 2 nodes, node 2 starts again (a new agent, an empty SMP): the agents take it in once
-    the next step is complete in memory, and all three ranks reshard that step from DP 2 onto DP 3."""
+def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(cluster, tmp_path):
+    """After the shrink to 2 nodes, node 2 starts again (a new agent, an empty SMP): the agents take it in at
+    the next snapshot, and all three ranks reshard the newest complete step from DP 2 onto DP 3."""
     c = cluster("2:3", ["--spare-wait", "1"])
     log = tmp_path / "loss.jsonl"
     args = ["--loss-log", str(log), "--steps", "100000", "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)]

@@ -59,7 +59,8 @@ class InmemAgent(LocalElasticAgent):
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
-        self._joining_after: int | None = None  # with a node waiting to join: the step complete when it came
+        self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
+        self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
         if options.nodes[0] < options.nodes[1]:
             self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
 
@@ -146,7 +147,7 @@ class InmemAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group, *args, **kwargs) -> RunResult:
         polled_at = time.time()
         result = super()._monitor_workers(worker_group, *args, **kwargs)
-        beats = self._beats(worker_group)
+        beats = self._last_beats = self._beats(worker_group)
         if not self.smp.alive():
             lost = self.smp.pid
             self.say(f"event=smp_lost pid={lost}: starting a new one, then restarting the ranks")
@@ -210,9 +211,10 @@ class InmemAgent(LocalElasticAgent):
 
     def _joins_at_snapshots(self, handler) -> None:
         """torch's agent restarts the ranks as soon as its rendezvous has a node waiting (a grow); here a waiting
-        node counts from the next step complete in memory on, so the restart loses no training: every rank
-        reshards that step onto the larger size. Where no step completes (no snapshots, the SMP not answering)
-        it counts at once, as under torch."""
+        node counts once every local rank has taken a snapshot after it came and stepped past it, so the restart
+        loses next to no training: every rank reshards that step onto the larger size. Where the ranks report no
+        snapshot (none taken yet, no inmem_ft) it counts at once, as under torch. Read from the heartbeats this
+        agent polls anyway: nothing here waits on the SMP."""
         waiting = handler.num_nodes_waiting
 
         def at_snapshot() -> int:
@@ -220,12 +222,14 @@ class InmemAgent(LocalElasticAgent):
             if not count:
                 self._joining_after = None
                 return 0
-            complete = self.smp.complete_step()
+            beats = list(self._last_beats.values())
+            taken = min((b.get("snapshot_step") for b in beats), default=None) if all(
+                "snapshot_step" in b for b in beats) else None
             if self._joining_after is None:
-                self._joining_after = complete if complete is not None else -1
-                self.say(f"event=node_waiting count={count}: taken in once the step after {complete} is complete "
-                         f"in memory")
-            if complete is None or complete > self._joining_after:
+                self._joining_after = -1 if taken is None else taken
+                self.say(f"event=node_waiting count={count}: taken in once the ranks are past their next snapshot "
+                         f"(the last one taken: step {taken})")
+            if taken is None or (taken > self._joining_after and all(b.get("step", -1) > taken for b in beats)):
                 return count
             return 0
 

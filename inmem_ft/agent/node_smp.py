@@ -52,14 +52,6 @@ class NodeSMP:
         poll, and never blocked by an SMP that is slow to answer)."""
         return self.pid is None or _state(self.pid) not in ("", "Z", "X")
 
-    def complete_step(self) -> int | None:
-        """The newest step the job completed on every rank, as this node's SMP knows it (None: none, or no
-        answer)."""
-        try:
-            return control.call(self.socket, "status").get("complete_step")
-        except SMPUnavailable:
-            return None
-
     def stop(self, wipe: bool, signalled: bool, reason: str = "") -> None:
         """Stopped from outside (a preemption, scancel): SIGTERM, on which the SMP first spills its newest complete
         step to its spill directory, if it has one, and only then `wipe`. Otherwise it is asked to shut down.
