@@ -200,6 +200,12 @@ class InmemAgent(LocalElasticAgent):
         size from memory (the restore line says from which layout to which)."""
         nodes, before = worker_group.group_world_size, self._nodes_now
         self._nodes_now = nodes
+        low, high = self.opts.nodes
+        if before is None and low < high:  # the start is over: a round from now on replaces a lost node
+            spare = self.opts.spare_wait_s
+            if not rendezvous.set_last_call(worker_group.spec.rdzv_handler, spare):
+                self.say(f"event=spare_wait_unset: this torch's rendezvous keeps its last-call wait elsewhere; "
+                         f"a lost node is waited for as long as --rdzv-conf last_call_timeout says (30 s)")
         if before is not None and nodes != before:
             how = "shrink" if nodes < before else "grow"
             self.say(f"event={how} nodes={before}->{nodes} world_size={worker_group.spec.local_world_size * nodes}: "

@@ -17,6 +17,7 @@ torch's other delays (the random skew before the first round, keep-alives, timeo
 from __future__ import annotations
 
 import types
+from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
@@ -50,3 +51,14 @@ def scale_polling(handler, poll_s: float | None) -> tuple[float, int] | None:
     executor.run = types.MethodType(polled_run, executor)
     holder._cache_duration = poll
     return poll, nodes
+
+
+def set_last_call(handler, seconds: float) -> bool:
+    """From now on, a round of `handler` that has its minimum of nodes waits `seconds` for more (torch's
+    last_call_timeout, which torch reads once, at the handler's creation, for every round). False where the
+    handler is not torch's dynamic rendezvous or keeps its timeouts elsewhere now."""
+    timeout = getattr(getattr(handler, "_settings", None), "timeout", None)
+    if not isinstance(handler, dynamic_rendezvous.DynamicRendezvousHandler) or not hasattr(timeout, "_last_call"):
+        return False
+    timeout._last_call = timedelta(seconds=seconds)
+    return True

@@ -74,9 +74,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--spare-wait", type=_whole_seconds, default=env("INMEM_FT_SPARE_WAIT", str(SPARE_WAIT_S)),
                    metavar="S",
                    help="with --nnodes MIN:MAX, how long the nodes left after a node loss wait for a node to take "
-                        "its place before they go on without it (fewer nodes, the state resharded from memory); "
-                        "torch's rendezvous last_call_timeout; with --nnodes N or N:N nothing changes (default: "
-                        f"{SPARE_WAIT_S}, or $INMEM_FT_SPARE_WAIT)")
+                        "its place before they go on without it (fewer nodes, the state resharded from memory): "
+                        "torch's last-call wait from the second rendezvous round on (the first, at the start, "
+                        "keeps torch's, 30 s or --rdzv-conf last_call_timeout, for every node to come up); with "
+                        f"--nnodes N or N:N nothing changes (default: {SPARE_WAIT_S}, or $INMEM_FT_SPARE_WAIT)")
     g.add_argument("--work-dir", default=None, metavar="DIR",
                    help="heartbeats, rank records and time_lost.json (default: <runtime dir>/<job>/agent-node<N>)")
     g.add_argument("--wipe-on-exit", default=env("INMEM_FT_WIPE_ON_EXIT", "finished"), choices=WIPE_RULES,
@@ -130,16 +131,6 @@ def options(args):
                         rdzv_poll_s=args.rdzv_poll, nodes=(min_nodes, max_nodes), spare_wait_s=args.spare_wait)
 
 
-def spare_wait(args, opts) -> None:
-    """A node range: the survivors of a node loss wait `spare_wait_s` once they are at least MIN (torch's
-    last-call wait, 30 s by default), then go on at the smaller count. A last_call_timeout given in --rdzv-conf
-    is torch's own spelling of the same wait and is kept."""
-    low, high = opts.nodes
-    if low == high or "last_call_timeout" in args.rdzv_conf:
-        return
-    args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"last_call_timeout={opts.spare_wait_s}"]))
-
-
 def through_worker(args) -> None:
     """Run the training command through agent/worker.py, which records when the rank's rendezvous began and
     ended (the time-lost split). A --no-python or --run-path command runs as given."""
@@ -170,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         return lines.refuse(opts.node, 2, str(e))
     through_worker(args)
-    spare_wait(args, opts)
     if not (args.redirects != "0" or args.tee != "0"):
         args.tee = "3"  # rank logs in files (their restore lines and stacks) and on the console, as before
     args.log_dir = args.log_dir or os.path.join(opts.work_dir, "logs")
