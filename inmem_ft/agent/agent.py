@@ -2,7 +2,9 @@
 of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), warm
 standby processes the restarted ranks start on (standbys.py), and the time each failure costs (clock.py).
 Restarts are torch's own: every local rank stops, the agents rendezvous again, every rank starts anew (on a
-standby where one waits) and restores from the SMPs.
+standby where one waits) and restores from the SMPs. With a node range (--nnodes MIN:MAX) a lost node that no
+node replaces within the spare wait is trained without, and a node that joins is taken in at the next snapshot:
+the ranks then restore onto the new data-parallel size, resharded from memory (docs/agent.md, "Elastic").
 """
 from __future__ import annotations
 
