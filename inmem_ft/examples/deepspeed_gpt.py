@@ -175,9 +175,9 @@ def train_step(engine, stream) -> float:
     averaged over the micro batches and the ranks."""
     import deepspeed
 
-    x, y = stream.next()
+    x, y = (t.to(engine.device) for t in stream.next())
     accumulation = engine.gradient_accumulation_steps()
-    total = torch.zeros(())
+    total = torch.zeros((), device=x.device)
     for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
         loss = engine(xs, ys)
         engine.backward(loss)
@@ -201,6 +201,8 @@ def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BA
     }
     if dtype == "bf16":
         conf["bf16"] = {"enabled": True}
+    if torch.cuda.is_available():
+        conf["optimizer"]["params"]["fused"] = True  # torch's fused AdamW kernel, what GPU jobs run
     return conf
 
 
