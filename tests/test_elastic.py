@@ -189,3 +189,71 @@ def test_spare_wait_is_checked_and_becomes_torchs_last_call_after_the_start(monk
     assert handler._settings.timeout.last_call.total_seconds() == 30  # torch's, for the start
     assert rendezvous.set_last_call(handler, 7) and handler._settings.timeout.last_call.total_seconds() == 7
     assert not rendezvous.set_last_call(object(), 7)
+
+
+@pytest.mark.slow
+def test_after_a_shrink_a_restart_on_the_smaller_layout_is_bit_identical_to_none(cluster, tmp_path):
+    """Two runs lose node 2 after step 7 and go on at 2 nodes from step 6; in the second, rank 1 is killed after
+    step 10 as well and the job restarts on 2 nodes from step 9: each step's last loss equals the first run's."""
+    runs = {}
+    for name, extra in (("plain", []), ("killed", ["--die-at", "10", "--die-rank", "1", "--die-attempt", "1"])):
+        c = cluster("2:3", ["--spare-wait", "1"], name)
+        log = tmp_path / f"{name}.jsonl"
+        for node in range(NODES):
+            c.start(node, ["--loss-log", str(log), "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)]
+                    if node == LOST else ["--loss-log", str(log), *extra])
+        codes = c.wait(300)
+        assert [codes[n] for n in range(NODES) if n != LOST] == [0, 0], c.out(0)[-4000:]
+        c.close()
+        runs[name] = read_losses(log)
+        if name == "killed":
+            assert "restore rank=1 step=9 source=memory seconds=" in c.out(1), c.out(1)[-4000:]
+    assert sorted(runs["plain"]) == list(range(1, STEPS + 1))
+    assert runs["killed"] == runs["plain"]
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(cluster, tmp_path):
+    """After the shrink to 2 nodes, node 2 starts again (a new agent, an empty SMP): the agents take it in at
+    the next snapshot, and all three ranks reshard the newest complete step from DP 2 onto DP 3."""
+    c = cluster("2:3", ["--spare-wait", "1"])
+    log = tmp_path / "loss.jsonl"
+    args = ["--loss-log", str(log), "--steps", "100000", "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)]
+    for node in range(NODES):
+        c.start(node, args)
+    deadline = time.monotonic() + 300
+
+    def until(check, what):
+        while not check():
+            assert time.monotonic() < deadline and c.procs[0].poll() is None, f"no {what}:\n" + c.out(0)[-4000:]
+            time.sleep(0.2)
+
+    until(lambda: "event=shrink nodes=3->2" in c.out(0), "shrink")
+    smp0 = str(c.tmp / "run" / c.job / "node0.sock")
+
+    def ec():
+        return control.call(smp0, "status")["ec"]
+
+    # The SMPs' groups still span the lost node: the steps after the shrink go unprotected, and say so.
+    until(lambda: ec()["degraded"], "degraded EC status")
+    assert "is unreachable" in ec()["degraded"] and "DEGRADED: step" in subprocess.run(
+        [sys.executable, "-m", "inmem_ft", "smp", "status", "--socket", smp0], capture_output=True, text=True,
+        env=c.env).stdout
+    c.start(LOST, args)
+    until(lambda: "event=grow nodes=2->3" in c.out(0), "grow")
+    pattern = re.compile(r"restore rank=2 step=(\d+) source=memory_resharded from=tp1.pp1.dp2.zero2 "
+                         r"to=tp1.pp1.dp3.zero2")
+    until(lambda: pattern.search(c.out(LOST)), "restore onto DP 3")
+    grown = int(pattern.search(c.out(LOST)).group(1))
+    until(lambda: max(json.loads(ln)["step"] for ln in open(log)) >= grown + 2 * INTERVAL, "training at 3 nodes")
+    until(lambda: ec()["degraded"] is None and ec()["protected_step"] > grown, "protection over 3 nodes again")
+    for p in c.procs.values():
+        p.send_signal(signal.SIGTERM)
+    assert set(c.wait(120).values()) == {128 + signal.SIGTERM}
+    assert "event=node_waiting count=1" in c.out(0)
+    assert c.out(0).count("[example] batch global=12 micro=2 accumulation=2 dp=3") == 2  # at the start, grown
+    # Each restart goes on from the step it restored: the global order has no gap and no step twice in a row.
+    steps = [json.loads(line)["step"] for line in open(log)]
+    restarts = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
+    assert [steps[i] for i in restarts][:2] == [7, grown + 1], steps
+    assert all(steps[i] <= steps[i - 1] for i in restarts), steps
