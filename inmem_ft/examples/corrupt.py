@@ -1,20 +1,28 @@
-"""The examples' test hook for a state that is saved bad with valid checksums (issue 40's sentinel tests).
+"""The examples' test hooks for a state that is saved bad with valid checksums (issue 40's tests). First attempt
+only (a restart must not redo them).
 
 $INMEM_FT_TEST_CORRUPT_AT=S: right after the optimizer step of step S, before that step's snapshot, rank 0 makes
 one Adam second moment negative. The snapshot's checksums then cover the bad bytes; a run restored from it trains
-one good step, whose update is NaN, and the next loss is NaN. First attempt only (a restart must not redo it).
+one good step, whose update is NaN, and the next loss is NaN.
+
+$INMEM_FT_TEST_FLIP_AT=S (and $INMEM_FT_TEST_FLIP_RANK=R, default 1): right after the optimizer step of step S,
+rank R flips one bit of its first parameter, as silent data corruption would: its replica of the weights differs
+from the others' from then on (what the replica fingerprints catch).
 """
 from __future__ import annotations
 
 import os
 
+import torch
+
 CORRUPT_AT = "INMEM_FT_TEST_CORRUPT_AT"
+FLIP_AT, FLIP_RANK = "INMEM_FT_TEST_FLIP_AT", "INMEM_FT_TEST_FLIP_RANK"
 
 
-def asked() -> int | None:
+def asked(variable: str = CORRUPT_AT) -> int | None:
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return None
-    return int(os.environ.get(CORRUPT_AT, "0")) or None
+    return int(os.environ.get(variable, "0")) or None
 
 
 def after_step(optimizer, rank: int, step_of) -> None:
@@ -29,3 +37,18 @@ def after_step(optimizer, rank: int, step_of) -> None:
             state["exp_avg_sq"].view(-1)[0] = -1e3
 
     optimizer.register_step_post_hook(hook)
+
+
+def flip_after_step(optimizer, rank: int, step_of) -> None:
+    """Hook `optimizer` (a torch optimizer) to flip a bit of one weight on rank $INMEM_FT_TEST_FLIP_RANK."""
+    at = asked(FLIP_AT)
+    if at is None or rank != int(os.environ.get(FLIP_RANK, "1")):
+        return
+
+    def hook(opt, *_):
+        if step_of() == at:
+            with torch.no_grad():
+                opt.param_groups[0]["params"][0].view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(0x40)
+
+    optimizer.register_step_post_hook(hook)
+
