@@ -583,6 +583,11 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(step=info.step, restored=vars(info))
 
+    @property
+    def screening(self) -> bool:
+        """Whether the next observed steps are screened (the steps after a restore, capture/sentinel.py)."""
+        return self._sentinel.armed
+
     def observe(self, step: int, loss, grad_norm=None) -> None:
         """Hand each trained step's loss (a float or 0-d tensor) and, where the framework computes it, the
         gradient norm to the check after a restore (capture/sentinel.py); the adapters call it, a plain loop
