@@ -1,6 +1,8 @@
 """Issue 40, part 2: every K-th snapshot the data-parallel replicas compare fingerprints of the replicated bytes
 they hold (capture/fingerprint.py). A rank whose weights had a bit flipped is named, its node too, with the
 tensor; the step is marked bad on every SMP and never restored; fingerprints on or off train the same losses."""
+import json
+
 import numpy as np
 import pytest
 
@@ -75,3 +77,31 @@ def test_fingerprints_on_and_off_train_the_same_losses(cluster, runtime, overlap
         assert (out.count("event=replicas_agree") == STEPS // INTERVAL) == (every == "1"), out
         losses[every] = read_losses(log)
     assert losses["1"] == losses["0"] and sorted(losses["1"]) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_replicas_that_disagree_are_caught_and_the_step_never_restored(job, runtime):
+    """ZeRO-2 on 2 nodes: rank 1 flips a bit of a module weight after step 4's update, before its snapshot. Two
+    replicas cannot tell which is wrong: both are named; step 4 is bad on both SMPs and the next run resumes
+    from step 2."""
+    from inmem_ft.examples.deepspeed_gpt import ds_config
+
+    config = ds_config(2, "fp32", 2)
+    config["inmem_ft"]["fingerprint_every"] = 1
+    path = runtime / "ds.json"
+    path.write_text(json.dumps(config))
+    example = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", "6", "--interval", "2",
+               "--config", str(path)]
+    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env={"DS_ACCELERATOR": "cpu"}) as c:
+        first = c.run(example, extra_env={FLIP_AT: "4", FLIP_RANK: "1"})
+        assert not first.ok
+        out = c.rank_log(first.number, 0)
+        assert ("event=replica_mismatch reason=step 4: the data-parallel replicas disagree: the share stored by rank 0 "
+                "(node 0): [rank 0 (node 0)] against [rank 1 (node 1)] (no majority: which is wrong cannot be told), "
+                "in state.files.mp_rank_00_model_states.pt.module.") in out, out
+        assert "ReplicasDisagree: inmem_ft: step 4: " in out and "Traceback" not in out
+        for node in range(2):
+            assert control.call(c.socket_path(node), "status")["bad_steps"] == [4]
+        second = c.run(example)
+        assert second.ok, c.rank_log(second.number, second.first_failure or 0)
+        assert "restore rank=0 step=2 source=memory" in c.rank_log(second.number, 0)

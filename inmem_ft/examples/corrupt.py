@@ -6,8 +6,8 @@ one Adam second moment negative. The snapshot's checksums then cover the bad byt
 one good step, whose update is NaN, and the next loss is NaN.
 
 $INMEM_FT_TEST_FLIP_AT=S (and $INMEM_FT_TEST_FLIP_RANK=R, default 1): right after the optimizer step of step S,
-rank R flips one bit of its first parameter, as silent data corruption would: its replica of the weights differs
-from the others' from then on (what the replica fingerprints catch).
+rank R flips one bit of its first parameter (in the DeepSpeed example: the module's), as silent data corruption
+would: its replica of the weights differs from the others' from then on (what the replica fingerprints catch).
 """
 from __future__ import annotations
 
@@ -41,14 +41,39 @@ def after_step(optimizer, rank: int, step_of) -> None:
 
 def flip_after_step(optimizer, rank: int, step_of) -> None:
     """Hook `optimizer` (a torch optimizer) to flip a bit of one weight on rank $INMEM_FT_TEST_FLIP_RANK."""
-    at = asked(FLIP_AT)
-    if at is None or rank != int(os.environ.get(FLIP_RANK, "1")):
+    at = _flip_asked(rank)
+    if at is None:
         return
 
     def hook(opt, *_):
         if step_of() == at:
-            with torch.no_grad():
-                opt.param_groups[0]["params"][0].view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(0x40)
+            _flip(opt.param_groups[0]["params"][0])
 
     optimizer.register_step_post_hook(hook)
 
+
+def flip_after_model_step(engine, rank: int) -> None:
+    """The same for a DeepSpeed engine: after the optimizer step (and ZeRO's gather of the updated weights) of
+    step S, before its snapshot, rank R flips a bit of the module's first parameter."""
+    at = _flip_asked(rank)
+    if at is None:
+        return
+    stock = engine._take_model_step
+
+    def take(*args, **kwargs):
+        out = stock(*args, **kwargs)
+        if engine.global_steps == at:
+            _flip(next(engine.module.parameters()))
+        return out
+
+    engine._take_model_step = take
+
+
+def _flip_asked(rank: int) -> int | None:
+    at = asked(FLIP_AT)
+    return at if at is not None and rank == int(os.environ.get(FLIP_RANK, "1")) else None
+
+
+def _flip(param) -> None:
+    with torch.no_grad():
+        param.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(0x40)
