@@ -5,6 +5,9 @@ $INMEM_FT_TEST_CORRUPT_AT=S: right after the optimizer step of step S, before th
 one Adam second moment negative. The snapshot's checksums then cover the bad bytes; a run restored from it trains
 one good step, whose update is NaN, and the next loss is NaN.
 
+$INMEM_FT_TEST_SPIKE_AT=S: at the same place rank 0 multiplies its first parameter by 30: finite, but a run
+restored from that snapshot shows a loss far above the ones before it (a spike without NaN).
+
 $INMEM_FT_TEST_FLIP_AT=S (and $INMEM_FT_TEST_FLIP_RANK=R, default 1): right after the optimizer step of step S,
 rank R flips one bit of its first parameter (in the DeepSpeed example: the module's), as silent data corruption
 would: its replica of the weights differs from the others' from then on (what the replica fingerprints catch).
@@ -16,6 +19,7 @@ import os
 import torch
 
 CORRUPT_AT = "INMEM_FT_TEST_CORRUPT_AT"
+SPIKE_AT, SPIKE = "INMEM_FT_TEST_SPIKE_AT", 30.0
 FLIP_AT, FLIP_RANK = "INMEM_FT_TEST_FLIP_AT", "INMEM_FT_TEST_FLIP_RANK"
 
 
@@ -27,14 +31,17 @@ def asked(variable: str = CORRUPT_AT) -> int | None:
 
 def after_step(optimizer, rank: int, step_of) -> None:
     """Hook `optimizer` (a torch optimizer); `step_of()`: the training step its next step() completes."""
-    at = asked()
-    if at is None or rank != 0:
+    nan_at, spike_at = asked(), asked(SPIKE_AT)
+    if rank != 0 or (nan_at is None and spike_at is None):
         return
 
     def hook(opt, *_):
-        if step_of() == at:
+        if step_of() == nan_at:
             state = next(s for s in opt.state.values() if "exp_avg_sq" in s)
             state["exp_avg_sq"].view(-1)[0] = -1e3
+        if step_of() == spike_at:
+            with torch.no_grad():
+                opt.param_groups[0]["params"][0].mul_(SPIKE)
 
     optimizer.register_step_post_hook(hook)
 
