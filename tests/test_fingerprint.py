@@ -38,22 +38,27 @@ def cluster(job, runtime):
         yield c
 
 
+def caught(cluster, argv, step: int, rank: int, verdict: str) -> None:
+    """A run whose rank `rank` flips a weight bit after step `step` stops there, rank 0's one line saying `verdict`
+    of it, and every SMP holds that step bad."""
+    first = cluster.run(argv, extra_env={FLIP_AT: str(step), FLIP_RANK: str(rank)})
+    assert not first.ok
+    out = cluster.rank_log(first.number, 0)
+    assert f"event=replica_mismatch reason=step {step}: the data-parallel replicas disagree: {verdict}" in out, out
+    assert f"ReplicasDisagree: inmem_ft: step {step}: " in out and "Traceback" not in out
+    for node in range(cluster.nodes):
+        status = control.call(cluster.socket_path(node), "status")
+        assert status["bad_steps"] == [step] and status["counters"]["replica_mismatches"] == 1, status
+
+
 def test_a_flipped_replica_is_named_and_its_step_never_restored(cluster, runtime):
     """Rank 2 (node 2) flips a bit of its first weight after step 6's optimizer step: step 6's fingerprints name
     it (two replicas against one), every SMP marks 6 bad and the ranks stop; the next run resumes from step 3 and
     trains steps 4-6 bit-identically to the first run (which had not flipped yet)."""
     log = runtime / "loss.jsonl"
-    first = cluster.run(EXAMPLE + ["--fingerprint-every", "1", "--loss-log", str(log)],
-                        extra_env={FLIP_AT: "6", FLIP_RANK: "2"})
-    assert not first.ok
-    out = cluster.rank_log(first.number, 0)
-    assert ("event=replica_mismatch reason=step 6: the data-parallel replicas disagree: the share stored by rank 0 "
-            "(node 0): rank 2 (node 2) differs from the other 2 replicas (the suspect), in "
-            "state.train.model.0.weight") in out, out
-    assert "ReplicasDisagree: inmem_ft: step 6: " in out and "Traceback" not in out
-    for node in range(3):
-        status = control.call(cluster.socket_path(node), "status")
-        assert status["bad_steps"] == [6] and status["counters"]["replica_mismatches"] == 1, status
+    caught(cluster, EXAMPLE + ["--fingerprint-every", "1", "--loss-log", str(log)], 6, 2,
+           "the share stored by rank 0 (node 0): rank 2 (node 2) differs from the other 2 replicas (the suspect), in "
+           "state.train.model.0.weight")
     before = read_losses(log)
     log.unlink()
     second = cluster.run(EXAMPLE + ["--fingerprint-every", "1", "--loss-log", str(log)])
@@ -93,15 +98,9 @@ def test_deepspeed_zero2_replicas_that_disagree_are_caught_and_the_step_never_re
     example = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", "6", "--interval", "2",
                "--config", str(path)]
     with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env={"DS_ACCELERATOR": "cpu"}) as c:
-        first = c.run(example, extra_env={FLIP_AT: "4", FLIP_RANK: "1"})
-        assert not first.ok
-        out = c.rank_log(first.number, 0)
-        assert ("event=replica_mismatch reason=step 4: the data-parallel replicas disagree: the share stored by rank 0 "
-                "(node 0): [rank 0 (node 0)] against [rank 1 (node 1)] (no majority: which is wrong cannot be told), "
-                "in state.files.mp_rank_00_model_states.pt.module.") in out, out
-        assert "ReplicasDisagree: inmem_ft: step 4: " in out and "Traceback" not in out
-        for node in range(2):
-            assert control.call(c.socket_path(node), "status")["bad_steps"] == [4]
+        caught(c, example, 4, 1, "the share stored by rank 0 (node 0): [rank 0 (node 0)] against [rank 1 (node 1)] "
+                                 "(no majority: which is wrong cannot be told), in state.files.mp_rank_00_model_states"
+                                 ".pt.module.")
         second = c.run(example)
         assert second.ok, c.rank_log(second.number, second.first_failure or 0)
         assert "restore rank=0 step=2 source=memory" in c.rank_log(second.number, 0)
