@@ -126,8 +126,9 @@ def format_status(status: dict) -> str:
              f"{'' if age is None else f' (committed {format_age(age)} ago)'}",
              f"newest step the trainers reported complete on every rank of the job: {_or(status['complete_step'])}",
              f"since start: {counts['commits']} commits, {counts['skipped']} snapshots skipped, {counts['torn']} "
-             f"torn and {counts['corrupt']} corrupt slots discarded, {counts['sentinel_trips']} sentinel trips",
-             f"steps found bad after a restore (never restored again): "
+             f"torn and {counts['corrupt']} corrupt slots discarded, {counts['sentinel_trips']} sentinel trips, "
+             f"{counts['replica_mismatches']} replica mismatches",
+             f"steps found bad (never restored again): "
              f"{', '.join(map(str, status['bad_steps'])) or 'none'}",
              f"{'rank':>6} {'slot':>4} {'state':<10} {'step':>8} {'bytes':>12}"]
     for rank in status["ranks"]:

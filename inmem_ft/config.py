@@ -67,6 +67,9 @@ class SnapshotConfig:
     sentinel_steps: int = 20
     """Steps after a restore whose loss (and gradient norm) are screened: a NaN/Inf, or a loss above the bound
     learned from the losses the snapshot recorded, marks the restored step bad (capture/sentinel.py); 0: off."""
+    fingerprint_every: int = 10
+    """Every this many snapshots, the data-parallel replicas compare fingerprints of the replicated bytes they
+    hold; a mismatch names the ranks, marks the step bad and stops the ranks (capture/fingerprint.py); 0: off."""
 
     def __post_init__(self):
         def bad(key, msg):
@@ -93,6 +96,9 @@ class SnapshotConfig:
             bad("start_fresh", "must be true or false")
         if not _is_int(self.sentinel_steps) or self.sentinel_steps < 0:
             bad("sentinel_steps", "must be an integer >= 0 (steps screened after a restore; 0 turns the check off)")
+        if not _is_int(self.fingerprint_every) or self.fingerprint_every < 0:
+            bad("fingerprint_every", "must be an integer >= 0 (snapshots between replica comparisons; 0 turns them "
+                                     "off)")
 
     @property
     def socket_path(self) -> str:
@@ -166,6 +172,9 @@ class InmemFTBlock:
     sentinel_steps: int = 20
     """Steps after a restore whose loss (and gradient norm) are screened for NaN/Inf or a spike; a trip marks the
     restored step bad and the job resumes from an older one once restarted (capture/sentinel.py); 0: off."""
+    fingerprint_every: int = 10
+    """Every this many snapshots the data-parallel replicas compare fingerprints of the replicated bytes they hold
+    (capture/fingerprint.py); 0: off."""
     allow_untested: bool = False
     """Run on a DeepSpeed / megatron-core release outside inmem_ft.compat's tested range, with a warning
     (as $INMEM_FT_ALLOW_UNTESTED=1 does); by default such a release is refused at start."""
@@ -228,7 +237,8 @@ class InmemFTBlock:
         """The trainer-side SnapshotConfig: this block's values over what the launch scripts export."""
         mine = {"interval": self.interval, "on_error": self.on_error, "timeout_s": self.timeout_s,
                 "staging_budget": self.staging_budget, "job": self.job, "smp_socket": self.smp_socket,
-                "start_fresh": self.start_fresh, "sentinel_steps": self.sentinel_steps}
+                "start_fresh": self.start_fresh, "sentinel_steps": self.sentinel_steps,
+                "fingerprint_every": self.fingerprint_every}
         return SnapshotConfig.from_env(**{k: v for k, v in mine.items() if v is not None}, **env_overrides)
 
     @classmethod

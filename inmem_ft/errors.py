@@ -74,3 +74,13 @@ class RestoredStateBad(InmemFTError):
         super().__init__(message)
         self.step, self.fatal = step, fatal
         self.exit_code = STOP_EXIT if fatal else 1
+
+
+class ReplicasDisagree(InmemFTError):
+    """Data-parallel replicas hold different bytes of what must be the same (capture/fingerprint.py): the
+    snapshot `step` is marked bad on every SMP and never restored; restart the job (a supervisor does) and it
+    resumes from the newest older good step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step

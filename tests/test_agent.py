@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT
 from inmem_ft.agent import hangs
 from inmem_ft.errors import STOP_EXIT
-from inmem_ft.examples.corrupt import CORRUPT_AT
+from inmem_ft.examples.corrupt import CORRUPT_AT, SPIKE_AT
 from inmem_ft.smp.segments import names_with_prefix, unlink
 from inmem_ft.telemetry import read_losses
 
@@ -113,15 +113,21 @@ def test_hung_rank_is_dumped_killed_and_recovered_bit_identical(reference, tmp_p
 
 
 @pytest.mark.slow
-def test_a_restored_state_that_goes_bad_restarts_by_itself_from_the_older_step_bit_identical(reference, tmp_path):
-    """Issue 40 under torch's agent: the snapshot of step 6 holds a negative Adam moment (valid checksums); rank 1
-    is killed after step 7. Restart 1 restores step 6, whose second step is NaN: the sentinel marks 6 bad and the
-    ranks exit; restart 2, without a person, restores step 3 and the run ends matching the uninterrupted one."""
+@pytest.mark.parametrize("variable, trip", [
+    (CORRUPT_AT, r"step 8 after the restore from step 6: loss nan"),
+    (SPIKE_AT, r"step 7 after the restore from step 6: loss [\d.]+ above the bound [\d.]+ learned from the 6 losses"),
+], ids=["nan", "spike"])
+def test_a_restored_state_that_goes_bad_restarts_by_itself_from_the_older_step_bit_identical(reference, tmp_path,
+                                                                                              variable, trip):
+    """Issue 40 under torch's agent: the snapshot of step 6 holds a negative Adam moment, or weights scaled 30x
+    (valid checksums); rank 1 is killed after step 7. Restart 1 restores step 6, whose second step is NaN, or whose
+    first step's loss spikes without NaN: the sentinel marks 6 bad and the ranks exit; restart 2, without a person,
+    restores step 3 and the run ends matching the uninterrupted one."""
     rc, out = run_agent(tmp_path, f"t{uuid.uuid4().hex[:10]}", ["--die-at", str(FAIL_AT), "--die-rank", "1"],
-                        ["--standbys", "0"], extra_env={CORRUPT_AT: "6"})
+                        ["--standbys", "0"], extra_env={variable: "6"})
     assert rc == 0, out
     assert "restore rank=0 step=6 source=memory" in out and "event=sentinel_trip" in out
-    assert "RestoredStateBad: inmem_ft: step 8 after the restore from step 6: loss nan" in out
+    assert re.search(f"RestoredStateBad: inmem_ft: {trip}", out), out
     assert "restore rank=0 step=3 source=memory" in out and "event=job_stopped" not in out
     assert read_losses(tmp_path / "loss.jsonl") == reference  # each step's last loss: steps 4-12 from step 3
 

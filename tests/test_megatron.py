@@ -133,9 +133,6 @@ def test_tp2_kill_and_resume_is_exact(runtime, job):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="not yet: Megatron's rerun state machine finds the NaN first (in the grad "
-                   "norm of a bucket, inside backward, before train_step returns to the sentinel), saves a persistent "
-                   "checkpoint of the bad state to --save and exits; that exit and checkpoint must go to the sentinel")
 def test_a_restored_state_that_goes_nan_rolls_back_by_itself_to_the_older_snapshot_exact(runtime, job):
     """Issue 40 on Megatron (TP2): the snapshot of iteration 6 holds a negative Adam moment (valid checksums);
     a rank is killed after 7. The restart restores 6 and train_step's loss at 8 is NaN: the sentinel marks 6 bad

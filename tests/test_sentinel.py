@@ -42,13 +42,14 @@ def test_the_bound_needs_enough_history_and_tolerates_a_flat_curve():
     assert s.recorded() == [float(x) for x in range(40 - sentinel.HISTORY, 40)]
 
 
+@pytest.mark.parametrize("key", ["sentinel_steps", "fingerprint_every"])
 @pytest.mark.parametrize("value", [-1, 1.5, True, "20"])
-def test_sentinel_steps_is_validated_at_the_edge(value):
-    with pytest.raises(ConfigError, match="'sentinel_steps' = .*must be an integer >= 0"):
-        SnapshotConfig(sentinel_steps=value)
-    with pytest.raises(ConfigError, match="'sentinel_steps'"):
-        InmemFTBlock.from_dict({"sentinel_steps": value})
-    assert InmemFTBlock.from_dict({"sentinel_steps": 0}).snapshot_config().sentinel_steps == 0
+def test_trust_settings_are_validated_at_the_edge(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}' = .*must be an integer >= 0"):
+        SnapshotConfig(**{key: value})
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        InmemFTBlock.from_dict({key: value})
+    assert getattr(InmemFTBlock.from_dict({key: 0}).snapshot_config(), key) == 0
 
 
 def _train(snap, weights, start, end, losses):

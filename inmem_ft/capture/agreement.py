@@ -152,6 +152,16 @@ class Agreement:
             dist.all_gather(out, mine, group=group)
         return [t.tolist() for t in out]
 
+    def gather_replicas(self, values: list[int]) -> list[list[int]]:
+        """Every data-parallel peer's `values` (same length on all of them), indexed by DP rank, on the gloo mirror
+        of the DP group (mirror()); only its members call it."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        with self._collective():
+            group = self.dp_mirror  # read inside: close() drops it only once no collective is in flight
+            out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(out, mine, group=group)
+        return [t.tolist() for t in out]
+
     def gather_bytes(self, data: bytes, size: int) -> list[bytes]:
         """Every rank's `data` (at most `size` bytes, `size` the same on every rank), indexed by rank."""
         if not self.distributed:

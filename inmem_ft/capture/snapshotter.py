@@ -17,18 +17,20 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .. import device
 from ..config import SnapshotConfig
-from ..errors import BudgetExceeded, InmemFTError, RestoredStateBad
+from ..errors import BudgetExceeded, InmemFTError, ReplicasDisagree, RestoredStateBad
 from ..smp.client import SMPClient
 from ..smp.segments import Segment, path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology
 from ..snapshot.tree import FlatState, flatten
 from ..telemetry import Heartbeat
+from . import fingerprint
 from .agreement import Agreement
 from .copier import Copier
 from .plans import PlanCache, StalePlan
@@ -59,6 +61,9 @@ class Metrics:
     stale: int = 0  # snapshots not committed: a tensor changed dtype or shape under the reused layout
     last_committed: dict | None = None  # {step, stall_s, commit_s, bytes} of the newest committed snapshot
     sentinel_trips: int = 0  # restored steps the check after a restore found bad (capture/sentinel.py)
+    fingerprints: int = 0  # snapshots whose data-parallel replicas were compared (capture/fingerprint.py)
+    replica_mismatches: int = 0  # of those, the ones whose replicas disagreed
+    last_fingerprint_s: float = 0.0  # the newest comparison's digests (both parts) and its collectives
 
     def add_stall(self, seconds: float) -> None:
         self.last_stall_s = seconds
@@ -87,6 +92,9 @@ class _Written:
     target: _Attached | None  # None: the commit thread asks the SMP for the slot (an overlapped snapshot)
     reply: dict | None
     work: object
+    compare: bool = False  # the replicas compare fingerprints of this snapshot (capture/fingerprint.py)
+    held: dict | None = None  # share -> its digests as the state held it at the snapshot, the other ranks' shares
+    digest_s: float = 0.0  # what computing `held` took
 
     @property
     def data_off(self) -> int:
@@ -187,6 +195,7 @@ class Snapshotter:
         self.last_restore: RestoreInfo | None = None
         self._heartbeat = Heartbeat.from_env(self.rank)
         self._sentinel = Sentinel(self.config.sentinel_steps)
+        self._shares: tuple = (None, [])  # (a plan, the pieces of each DP rank's share of its replicated region)
 
     # ---- saving -----------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -218,6 +227,7 @@ class Snapshotter:
         t0 = time.perf_counter()
         self.wait()
         plan, reused, flat, target, reply, work, error, fatal = None, False, None, None, None, None, None, False
+        compare, held = False, None
         try:
             flat = flatten(state)
             plan, reused = self._plans.plan(flat, step, topology)
@@ -234,6 +244,10 @@ class Snapshotter:
                 self.metrics.planned += 1
                 reply, target, work = self._begin_and_copy(step, flat, plan, overlap)
             self._reserved = True
+            compare = self.dp_size > 1 and plan.manifest["replicated"] is not None and \
+                fingerprint.due(step, self.config.interval, self.config.fingerprint_every)
+            # Without overlap the state may change once this returns: the other shares are digested now.
+            held = self._digest_held(flat.values, plan) if compare and not overlap else None
         except Exception as e:  # any failure, ours or not: the step's vote in _finish tells every rank
             error, target = e, None
             # The first snapshot reserves the slots: a budget that cannot fit is a setup error.
@@ -248,8 +262,8 @@ class Snapshotter:
         self._fence_work = work if overlap and error is None else None
         if self._fence_work is None:
             self._copied.set()
-        written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work) \
-            if error is None else None
+        written = _Written(flat, plan, reused, topology, self._plans.manifest_len, target, reply, work, compare,
+                           *(held or (None, 0.0))) if error is None else None
         # Submitted even after an error: every rank must take part in the step's agreement.
         self._pending = commit = self._pool.submit(self._finish, step, written, error, self._sentinel.recorded())
         if fatal:
@@ -339,6 +353,8 @@ class Snapshotter:
                     if w.work.on_device:
                         w.target.register()
                     self._copier.copy_out(w.work, data)
+                    if w.compare and w.held is None:  # the state changes after the fence, which waits for this
+                        w.held, w.digest_s = self._digest_held(w.flat.values, w.plan)
                 except (RuntimeError, ValueError) as e:
                     if not w.reused or isinstance(e, InmemFTError):
                         raise
@@ -365,7 +381,14 @@ class Snapshotter:
                 self._smp.call("abort", rank=self.rank)
             except InmemFTError:
                 pass  # the next begin takes the slot over anyway
-        agreed = self._agree.min(NO_STEP if error else step)
+        disagree = None
+        if self.dp_size > 1 and fingerprint.due(step, self.config.interval, self.config.fingerprint_every):
+            disagree = self._compare_replicas(step, w if error is None else None)  # every DP peer takes part
+        # One round for both: a step whose replicas disagree in any DP group is complete nowhere and bad everywhere.
+        agreed, replicas_agree = self._agree.min([NO_STEP if error or disagree else step, int(disagree is None)])
+        if not replicas_agree:
+            self._replicas_disagree(step, disagree)
+            return
         if agreed == step:
             self._complete = step
             try:
@@ -394,6 +417,66 @@ class Snapshotter:
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
+
+    def _pieces(self, plan) -> list:
+        if self._shares[0] is not plan:
+            self._shares = (plan, fingerprint.shares(plan.manifest["leaves"], plan.manifest["replicated"]))
+        return self._shares[1]
+
+    def _digest_held(self, values: list, plan) -> tuple[dict, float]:
+        """The digests of the other DP ranks' shares as this rank's state holds them now, and the seconds it took."""
+        t0 = time.perf_counter()
+        held = {j: fingerprint.of_state(values, pieces) for j, pieces in enumerate(self._pieces(plan))
+                if j != self.dp_rank}
+        return held, time.perf_counter() - t0
+
+    def _compare_replicas(self, step: int, w: "_Written | None") -> str | None:
+        """Commit thread, collective over the DP group: every replica's fingerprint of every share of the
+        replicated region (its own share's from the slot); what disagrees, in words, or None. A rank that could
+        not take part (its snapshot failed, no replicated region) sends no fingerprints: then none are compared."""
+        t0 = time.perf_counter()
+        digests, row = {}, [0, self.rank, self.config.node] + [0] * self.dp_size
+        if w is not None and w.compare and w.held is not None:
+            try:
+                share = w.target.segment.buf[w.data_off + w.plan.manifest["replicated"]["o"]:]
+                digests = {**w.held, self.dp_rank: fingerprint.of_slot(share, self._pieces(w.plan)[self.dp_rank])}
+                row = [1, self.rank, self.config.node] + [fingerprint.fingerprint(digests[j])
+                                                          for j in range(self.dp_size)]
+            except Exception as e:  # the collective below must run on every peer: this rank only abstains
+                log.warning("snapshot rank=%d step=%d event=fingerprint_failed: %s: %s", self.rank, step,
+                            type(e).__name__, e)
+        rows = self._agree.gather_replicas(row)
+        if not all(r[0] for r in rows):
+            return None
+        disagreements = fingerprint.compare([r[3:] for r in rows])
+        parts = []
+        for d in disagreements:  # every peer found the same ones: the second rounds pair up
+            pieces = self._pieces(w.plan)[d.share]
+            theirs = self._agree.gather_replicas(digests[d.share].view(np.int64))
+            names = ", ".join(w.flat.path_of(leaf) for leaf in fingerprint.differing(pieces, theirs))
+            parts.append(_disagreement(d, rows, names))
+        self.metrics.fingerprints += 1
+        self.metrics.last_fingerprint_s = w.digest_s + time.perf_counter() - t0
+        if parts:
+            return f"step {step}: the data-parallel replicas disagree: {'; '.join(parts)}"
+        log.info("snapshot rank=%d step=%d event=replicas_agree digest_s=%.4f", self.rank, step,
+                 self.metrics.last_fingerprint_s)
+        return None
+
+    def _replicas_disagree(self, step: int, why: str | None) -> None:
+        """Some DP group's replicas disagree on `step` (`why`, where it is this rank's): the step is marked bad on
+        this rank's SMP (every node hears it from its own ranks), and the next fence stops the rank."""
+        self.metrics.replica_mismatches += 1
+        why = why or f"step {step}: the data-parallel replicas of another group disagree"
+        try:
+            self._smp.call("bad", step=step, why=why[:1024], replicas=True)
+        except InmemFTError as e:  # the other ranks' SMPs still hear it; this rank stops either way
+            log.error("snapshot rank=%d step=%d event=failed: could not mark the step bad: %s", self.rank, step, e)
+        if self.dp_rank == 0:
+            log.error("snapshot rank=%d step=%d event=replica_mismatch reason=%s", self.rank, step, why)
+        self._failed = ReplicasDisagree(
+            f"inmem_ft: {why}: step {step} is marked bad on every SMP and is never restored; look for a bad GPU or "
+            f"host there, then restart the job: it resumes from the newest older good step", step)
 
     def flush(self, timeout_s: float = 600.0) -> dict:
         """Put the job's newest complete step on disk on every node now (planned maintenance): waits for this
@@ -426,6 +509,8 @@ class Snapshotter:
         except InmemFTError:
             if self.config.on_error == "raise":
                 raise
+        if self._failed is not None:  # that commit found the state bad (replicas that disagree): no step on it
+            raise self._failed
 
     def wait_for(self, commit: Future) -> None:
         """wait() for the snapshot whose commit save() returned, if it is still the last one; an older one
@@ -498,6 +583,11 @@ class Snapshotter:
         if self._heartbeat:
             self._heartbeat.beat(step=info.step, restored=vars(info))
 
+    @property
+    def screening(self) -> bool:
+        """Whether the next observed steps are screened (the steps after a restore, capture/sentinel.py)."""
+        return self._sentinel.armed
+
     def observe(self, step: int, loss, grad_norm=None) -> None:
         """Hand each trained step's loss (a float or 0-d tensor) and, where the framework computes it, the
         gradient norm to the check after a restore (capture/sentinel.py); the adapters call it, a plain loop
@@ -568,4 +658,17 @@ class Snapshotter:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _disagreement(d: "fingerprint.Disagreement", rows: list[list[int]], names: str) -> str:
+    """One share's disagreement in words; `rows[dp_rank]`: [_, rank, node, ...] of each replica."""
+    def who(dp_ranks) -> str:
+        return ", ".join(f"rank {rows[r][1]} (node {rows[r][2]})" for r in dp_ranks)
+
+    if d.suspects:
+        verdict = f"{who(d.suspects)} {'differs' if len(d.suspects) == 1 else 'differ'} from the other " \
+                  f"{len(rows) - len(d.suspects)} replicas (the suspect)"
+    else:
+        verdict = " against ".join(f"[{who(g)}]" for g in d.groups) + " (no majority: which is wrong cannot be told)"
+    return f"the share stored by {who([d.share])}: {verdict}, in {names}"
 

@@ -266,6 +266,7 @@ def main() -> None:
     restored = handle.restored if handle is not None else None
     first = resume(handle, stream)
     corrupt.after_step(engine.basic_optimizer, rank, lambda: engine.global_steps + 1)  # counted after its step
+    corrupt.flip_after_model_step(engine, rank)
     if restored is None and args.load_dir:  # plain DeepSpeed: a stock checkpoint (an earlier run's --save-dir)
         path, _ = engine.load_checkpoint(args.load_dir)
         assert path is not None, f"nothing to load in {args.load_dir}"

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--dp-split", action="store_true",
                    help="replicas store only their share of the (replicated) model and optimizer")
     p.add_argument("--overlap", action="store_true", help="copy behind the next forward/backward")
+    p.add_argument("--fingerprint-every", type=int, default=None,
+                   help="with --dp-split: compare the replicas' fingerprints every this many snapshots (0: never)")
     p.add_argument("--dump-full", default=None, help="at the end: rank 0 writes every parameter and optimizer "
                                                      "tensor under its shard-map key (torch.save) to PATH")
     args = p.parse_args()
@@ -62,7 +64,8 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     torch.manual_seed(1 + rank)  # per-rank dropout masks
 
-    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=args.interval),
+    every = {} if args.fingerprint_every is None else {"fingerprint_every": args.fingerprint_every}
+    snap = inmem_ft.Snapshotter(inmem_ft.SnapshotConfig.from_env(interval=args.interval, **every),
                                 dp_group=dist.group.WORLD if args.dp_split else None)
     shared = inmem_ft.Replicated if args.dp_split else (lambda tree: tree)
     if args.overlap:
@@ -76,6 +79,7 @@ def main() -> None:
         inmem_ft.restore_rng_state(state["rng"])
         start = state["step"]
     corrupt.after_step(opt, rank, lambda: step)
+    corrupt.flip_after_step(opt, rank, lambda: step)
 
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, rank)

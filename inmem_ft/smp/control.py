@@ -74,8 +74,9 @@ def status(job: str = "default", node: int = 0, socket_path: str | None = None) 
     the trainers reported complete on every rank of the job; held_step: the newest step every rank that runs
     here holds committed, and held_age_s: how long ago its last rank committed it; ranks: [{rank, slots:
     [{slot, state ("committed", "writing", "empty"), step, bytes (data), capacity (segment size)}]}];
-    counters since the SMP started: {commits, skipped, torn, corrupt, sentinel_trips}; bad_steps: the steps
-    a sentinel after a restore found bad (capture/sentinel.py), never listed for a restore again; ec (None without erasure coding):
+    counters since the SMP started: {commits, skipped, torn, corrupt, sentinel_trips, replica_mismatches};
+    bad_steps: the steps a sentinel after a restore found bad (capture/sentinel.py) or whose replicas disagreed
+    (capture/fingerprint.py), never listed for a restore again; ec (None without erasure coding):
     {group, m, protected_step, parity_steps, ec_lag_s (from complete to protected, of the newest protected
     step), parity_bytes, rebuilds, rebuild ("running", "ok" or why it failed)}; disk (None without a disk
     tier): {dir, every, flushed_step, flush_lag_s (from complete to on disk, of the last flush),

@@ -32,8 +32,9 @@ SLOTS_PER_RANK = 2
 REBUILD_WAIT_S = 540.0
 # The events SMP.counts counts: commits sealed, snapshots skipped (a begin found both slots pinned), slots found
 # torn (a write that never committed) and corrupt (failing a checksum), each discarded; sentinel trips (a restored
-# step found bad by the check after a restore, capture/sentinel.py).
-COUNTS = ("commits", "skipped", "torn", "corrupt", "sentinel_trips")
+# step found bad by the check after a restore, capture/sentinel.py); replica mismatches (a step whose data-parallel
+# replicas disagreed, capture/fingerprint.py).
+COUNTS = ("commits", "skipped", "torn", "corrupt", "sentinel_trips", "replica_mismatches")
 
 
 # Error classes the client raises again from a reply's `code` (smp/client.py maps them back).
@@ -512,14 +513,15 @@ class SMP:
         return {}
 
     def op_bad(self, msg, conn_id):
-        """A sentinel tripped after the job restored `step` (capture/sentinel.py): the step is never listed
-        again. {"before": the step of the previous trip if no sentinel passed since, else None}."""
-        step, why = fields.step(msg), fields.text(msg, "why")
+        """A sentinel tripped after the job restored `step` (capture/sentinel.py), or with `replicas` the step's
+        data-parallel replicas disagreed (capture/fingerprint.py): the step is never listed again. {"before": of a
+        trip, the step of the previous one if no sentinel passed since, else None}."""
+        step, why, replicas = fields.step(msg), fields.text(msg, "why"), msg.get("replicas") is True
         with self.lock:
             new = step not in self.trust.bad
-            before = self.trust.mark_bad(step, why)
+            before = self.trust.mark_bad(step, why, trip=not replicas)
             if new:
-                self.counts["sentinel_trips"] += 1
+                self.counts["replica_mismatches" if replicas else "sentinel_trips"] += 1
                 log.warning("smp node=%d event=bad_step step=%d reason=%s: never restored again", self.node, step,
                             why)
         return {"before": before}

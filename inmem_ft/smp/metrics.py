@@ -53,7 +53,7 @@ def _gauges(status: dict):
     yield "complete_step", "newest step the trainers reported complete on every rank", status["complete_step"], {}
     yield "held_step", "newest step every rank that runs on this node holds committed", status["held_step"], {}
     yield "held_step_age_seconds", "seconds since the last rank committed the held step", status["held_age_s"], {}
-    yield "bad_steps", "snapshot steps found bad after a restore: never restored again", len(status["bad_steps"]), {}
+    yield "bad_steps", "snapshot steps found bad (after a restore, or replicas that disagreed): never restored again", len(status["bad_steps"]), {}
     for rank in status["ranks"]:
         labels = {"rank": str(rank["rank"])}
         committed = [s for s in rank["slots"] if s["state"] == "committed"]
@@ -93,6 +93,7 @@ def _counters(status: dict):
     yield "torn", "slots discarded torn: a write that never committed", counts["torn"]
     yield "corrupt", "slots discarded corrupt: a checksum failed", counts["corrupt"]
     yield "sentinel_trips", "restored steps the check after a restore found bad", counts["sentinel_trips"]
+    yield "replica_mismatches", "snapshot steps whose data-parallel replicas disagreed", counts["replica_mismatches"]
     if status["ec"]:
         yield "ec_rebuilds", "rebuilds of this node's slots from its EC group that finished", status["ec"]["rebuilds"]
     if status["disk"]:

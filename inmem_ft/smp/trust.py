@@ -2,7 +2,8 @@
 
 - the recent losses each rank's snapshot recorded (sent with its commit): what the sentinel after a restore
   learns its bound from (capture/sentinel.py);
-- the steps a sentinel found bad after a restore: never listed, so never restored again, from any tier;
+- the steps a sentinel found bad after a restore, or whose replicas disagreed: never listed, so never restored
+  again, from any tier;
 - the trip that is not yet cleared: a second trip before the sentinel passes once means the older step is bad
   as well, and the job stops instead of walking back step by step (`op_bad` answers with it).
 
@@ -59,11 +60,13 @@ class TrustRecord:
         if self.losses != before:
             self._save()
 
-    def mark_bad(self, step: int, why: str) -> int | None:
-        """A sentinel tripped on a restore from `step`: the step of the trip before it, if none passed since."""
-        before = self.pending if self.pending != step else None
+    def mark_bad(self, step: int, why: str, trip: bool = True) -> int | None:
+        """`step` is bad: with `trip`, a sentinel tripped on a restore from it, and this returns the step of the
+        trip before it if none passed since (else the step was found bad before any restore: no trip)."""
+        before = self.pending if trip and self.pending != step else None
         self.bad[step] = why
-        self.pending = step
+        if trip:
+            self.pending = step
         self._save()
         return before
 

@@ -16,7 +16,8 @@ from .layout import Batch, Copy
 from .tree import nbytes
 
 
-def _source_bytes(value, lo: int, hi: int, whole: bool):
+def source_bytes(value, lo: int, hi: int, whole: bool = False):
+    """Bytes [lo, hi) of a leaf as a uint8 tensor where it lives (`whole`: the tensor itself, as its dtype)."""
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8)[lo:hi])
     if whole:
@@ -30,7 +31,7 @@ def copy_into(dst: torch.Tensor, value, c: Copy) -> None:
     # Whole tensors are copied as themselves (any strides), unless `dst` cannot be viewed as their dtype.
     whole = c.lo == 0 and c.hi == nbytes(value) and isinstance(value, torch.Tensor) \
         and dst.storage_offset() % value.element_size() == 0
-    src = _source_bytes(value, c.lo, c.hi, whole)
+    src = source_bytes(value, c.lo, c.hi, whole)
     with torch.no_grad():
         if whole:
             dst.view(value.dtype).view(value.shape).copy_(src, non_blocking=True)

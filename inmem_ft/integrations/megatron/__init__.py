@@ -145,6 +145,9 @@ class Handle:
             loss = next(iter(loss_dict.values()), None) if loss_dict else None
             self.snap.observe(iteration, loss, None if skipped else grad_norm)
 
+    def _screening(self) -> bool:
+        return self.snap is not None and self.snap.screening
+
     def _extra_specs(self, sh):
         return self.layout.model_space_specs(sh) if self.layout and self.layout.bucket_params else ()
 
@@ -256,6 +259,7 @@ def install(args) -> Handle | None:
     handle = Handle(args, block)
     patch.around_load(handle._before_load, handle._after_load)
     patch.observe_train_step(handle._observe)
+    patch.screened_steps_to_sentinel(handle._screening)
     return handle
 
 

@@ -16,6 +16,7 @@ from ...errors import ConfigError
 
 _interval = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 1", minimum=1)
 _sentinel_steps = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 0 (0: off)", minimum=0)
+_fingerprint_every = argtypes.bounded(int, "{text!r}: must be an integer number of snapshots >= 0 (0: off)", minimum=0)
 _job = argtypes.job_id
 
 
@@ -38,6 +39,9 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--inmem-ft-sentinel-steps", type=_sentinel_steps, default=None, metavar="N",
                    help="iterations after a restore whose loss is screened for NaN/Inf or a spike (default: the "
                         "config's sentinel_steps, else 20; 0: off)")
+    g.add_argument("--inmem-ft-fingerprint-every", type=_fingerprint_every, default=None, metavar="N",
+                   help="every N snapshots the data-parallel replicas compare fingerprints of their replicated "
+                        "weights (default: the config's fingerprint_every, else 10; 0: off)")
     g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
@@ -60,6 +64,7 @@ def block_from_args(args) -> InmemFTBlock:
     """The block of --inmem-ft-config with the command line's interval and job over it."""
     block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
     overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job),
-                                   ("sentinel_steps", getattr(args, "inmem_ft_sentinel_steps", None)))
+                                   ("sentinel_steps", getattr(args, "inmem_ft_sentinel_steps", None)),
+                                   ("fingerprint_every", getattr(args, "inmem_ft_fingerprint_every", None)))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)

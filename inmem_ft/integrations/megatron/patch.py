@@ -190,6 +190,26 @@ def observe_train_step(observe) -> None:
     training.train_step = wrapped
 
 
+def screened_steps_to_sentinel(screening) -> None:
+    """While inmem_ft screens the steps after a restore (`screening()`: capture/sentinel.py), Megatron's rerun
+    state machine leaves their results to it. Its NaN check of a gradient bucket runs inside backward, before
+    train_step returns the loss to the sentinel, and (in its default validate_results mode) reruns the step, saves
+    a persistent checkpoint of the bad state to --save and exits: that checkpoint would be the newest on disk, and
+    no rollback would follow. The sentinel sees the same NaN in the loss or grad norm that train_step returns,
+    agreed by every rank, and rolls back to an older snapshot instead. Outside those steps the machine is stock."""
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    stock = RerunStateMachine.validate_result
+
+    @functools.wraps(stock)
+    def wrapped(self, *args, **kwargs):
+        if screening():
+            return None
+        return stock(self, *args, **kwargs)
+
+    RerunStateMachine.validate_result = wrapped
+
+
 def around_load(before, after) -> None:
     """pretrain() builds nvrx's manager itself (only when the cfg asks for 'local' checkpoints) and calls
     load_checkpoint inside setup_model_and_optimizer, once model and optimizer exist:
