@@ -101,6 +101,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Which attempt (restart) of the job a rank belongs to.", internal=True),
     EnvVar("INMEM_FT_HEARTBEAT_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
            "Where each rank's heartbeat record goes (hang detection).", internal=True),
+    EnvVar("INMEM_FT_EVENTS", "the agent, the SMP and the ranks under `inmem-ft run`",
+           "set by the agent: `<work dir>/events.jsonl`", "path (JSON lines, mode 0600)",
+           "The node's events file: each timeline event as one JSON record (inmem_ft/events.py, docs/agent.md); "
+           "set it before `inmem-ft run` to put the file elsewhere.", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD", "ranks of the simulated cluster", "set by the launcher", "path",
            "Where a worker records its start (time lost per failure).", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",

@@ -1,0 +1,161 @@
+"""Timeline events: each one a JSON line in the node's events file, and its human log line written from the same
+record, so that the timeline, the time-lost report and the benchmarks read records, not log text.
+
+    {"v": 1, "wall": 1764633600.123, "mono": 81234.5,
+     "source": {"role": "agent", "node": 0, "rank": null, "pid": 4242},
+     "kind": "agent", "event": "failure_detected", "fields": {"failure": "rank 1 exited with -9 (SIGKILL)"},
+     "text": ""}
+
+    wall    time.time() when it happened: one clock for every process of the machine (and, as far as NTP keeps
+            them together, of the cluster); the time-lost boundaries are all in it
+    mono    time.monotonic(): comparable between the processes of one machine only (span lengths, immune to a
+            clock step)
+    source  who wrote it: role `agent` (`inmem-ft run`), `smp` (the node's SMP, its erasure coding included) or
+            `rank` (a training process); node, rank (null where there is none), pid
+    kind    the log line's first word (agent, launch, ec, smp, restore, ...)
+    event   the event's name; fields its values (JSON numbers, strings, lists); text a free-text tail
+
+The human line is `KIND node=N|rank=R event=NAME k=v ...: TEXT` (with the `[inmem_ft]` prefix where the sink adds
+one). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes.
+
+The file is $INMEM_FT_EVENTS, which `inmem-ft run` sets for its SMP and its ranks (one file per node); without
+it an event is only its log line. Created 0600 (its folder 0700); each record is one write() with O_APPEND, under
+an exclusive lock when it is longer than PIPE_BUF, so lines of concurrent writers never interleave. A reader skips,
+with one log line saying so, a line that is not a whole record (a writer killed in the middle of its write).
+Nothing here is unpickled: JSON only.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import select
+import time
+from typing import Callable
+
+from . import telemetry
+
+EVENTS = "INMEM_FT_EVENTS"
+VERSION = 1
+ROLES = ("agent", "smp", "rank")
+QUOTED = ("failure",)  # free text that a reader of the line splits on its quotes
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def emit(role: str, kind: str, event: str, *, node: int | str | None = None, rank: int | None = None,
+         say: Callable[[str], None] | None = None, text: str = "", **fields) -> dict:
+    """Record `event` in $INMEM_FT_EVENTS and hand its human line to `say` (a logger's method, print); returns
+    the record. A file that cannot be written costs the record, never the caller (one warning per file)."""
+    record = {"v": VERSION, "wall": time.time(), "mono": time.monotonic(),
+              "source": {"role": role, "node": node, "rank": rank, "pid": os.getpid()},
+              "kind": kind, "event": event, "fields": fields, "text": text}
+    path = os.environ.get(EVENTS)
+    if path:
+        append(path, record)
+    if say is not None:
+        say(line(record))
+    return record
+
+
+def line(record: dict) -> str:
+    """The human log line of `record` (the one formatter of every event's text)."""
+    source = record["source"]
+    who = f"rank={source['rank']}" if source.get("rank") is not None else f"node={source.get('node')}"
+    parts = [record["kind"], who, f"event={record['event']}"]
+    parts += [f"{k}={_value(k, v)}" for k, v in record["fields"].items()]
+    return " ".join(parts) + (f": {record['text']}" if record.get("text") else "")
+
+
+def _value(name: str, value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".")  # the record keeps every digit
+    if name in QUOTED:
+        return f'"{value}"'
+    return str(value)
+
+
+def append(path: str, record: dict) -> None:
+    """One record as one line of `path`, created owner-only."""
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    try:
+        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        _warn_once(path, f"events: cannot open {path} ({e}): events go to the log only")
+        return
+    try:
+        if len(data) > select.PIPE_BUF:  # one write is atomic among O_APPEND writers up to PIPE_BUF: lock past it
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, data)
+    except OSError as e:
+        _warn_once(path, f"events: cannot write {path} ({e}): events go to the log only")
+    finally:
+        os.close(fd)
+
+
+def _warn_once(path: str, message: str) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        log.warning(message)
+
+
+class Reader:
+    """The records appended to an events file since the last look (read while it is written). A line still being
+    written waits for the next look; a line that is not a record is skipped with a log line naming it."""
+
+    def __init__(self, path: str, from_end: bool = False):
+        self.path = path
+        self._tail = telemetry.Tail(path, from_end)
+
+    @property
+    def offset(self) -> int:
+        """Where the next look starts: just past the last whole line read."""
+        return self._tail.offset
+
+    def records(self) -> list[dict]:
+        return [r for r in map(self._parse, self._tail.lines()) if r is not None]
+
+    def _parse(self, text: str) -> dict | None:
+        if not text.strip():
+            return None
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if not _valid(record):
+            log.warning("events: skipped a line of %s that is not a whole record (a writer stopped in the middle "
+                        "of it?): %.80r", self.path, text)
+            return None
+        return record
+
+
+def read(path: str) -> list[dict]:
+    """Every record of an events file that is no longer written: a last line left without its newline (its writer
+    was killed mid-write) is skipped with a log line saying so."""
+    reader = Reader(path)
+    records = reader.records()
+    try:
+        with open(path, "rb") as f:
+            f.seek(reader.offset)
+            torn = f.read()
+    except OSError:
+        torn = b""
+    if torn.strip():
+        log.warning("events: skipped the torn last line of %s (%d bytes without a newline: its writer stopped in "
+                    "the middle of it)", path, len(torn))
+    return records
+
+
+def _valid(record) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("event"), str) and isinstance(record.get("kind"), str)
+            and isinstance(record.get("source"), dict) and isinstance(record.get("fields"), dict)
+            and isinstance(record.get("wall"), (int, float)))
+
+
+def where(records: list[dict], event: str, **source) -> list[dict]:
+    """The records of `event` whose source matches `source` (e.g. rank=3, role="smp")."""
+    return [r for r in records if r["event"] == event
+            and all(r["source"].get(k) == v for k, v in source.items())]
