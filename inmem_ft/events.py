@@ -4,7 +4,7 @@ record, so that the timeline, the time-lost report and the benchmarks read recor
     {"v": 1, "wall": 1764633600.123, "mono": 81234.5,
      "source": {"role": "agent", "node": 0, "rank": null, "pid": 4242},
      "kind": "agent", "event": "failure_detected", "fields": {"failure": "rank 1 exited with -9 (SIGKILL)"},
-     "text": ""}
+     "text": ": counted from the last poll"}
 
     wall    time.time() when it happened: one clock for every process of the machine (and, as far as NTP keeps
             them together, of the cluster); the time-lost boundaries are all in it
@@ -13,10 +13,12 @@ record, so that the timeline, the time-lost report and the benchmarks read recor
     source  who wrote it: role `agent` (`inmem-ft run`), `smp` (the node's SMP, its erasure coding included) or
             `rank` (a training process); node, rank (null where there is none), pid
     kind    the log line's first word (agent, launch, ec, smp, restore, ...)
-    event   the event's name; fields its values (JSON numbers, strings, lists); text a free-text tail
+    event   the event's name; fields its values (JSON numbers, strings, lists); text the line's free-text tail,
+            as the line shows it after the fields (": why ...", or "" for none)
 
-The human line is `KIND node=N|rank=R event=NAME k=v ...: TEXT` (with the `[inmem_ft]` prefix where the sink adds
-one). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes.
+The human line is `KIND node=N|rank=R event=NAME k=v ...TEXT` (with the `[inmem_ft]` prefix where the sink adds
+one). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes; a float
+to the millisecond (the record keeps every digit).
 
 The file is $INMEM_FT_EVENTS, which `inmem-ft run` sets for its SMP and its ranks (one file per node); without
 it an event is only its log line. Created 0600 (its folder 0700); each record is one write() with O_APPEND, under
@@ -32,7 +34,7 @@ import logging
 import os
 import select
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from . import telemetry
 
@@ -45,13 +47,20 @@ log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
-def emit(role: str, kind: str, event: str, *, node: int | str | None = None, rank: int | None = None,
-         say: Callable[[str], None] | None = None, text: str = "", **fields) -> dict:
+class Source(NamedTuple):
+    role: str  # one of ROLES
+    node: int | str | None
+    rank: int | None = None
+
+
+def emit(source: Source, kind: str, event: str, *, say: Callable[[str], None] | None = None, text: str = "",
+         sep: str = ": ", **fields) -> dict:
     """Record `event` in $INMEM_FT_EVENTS and hand its human line to `say` (a logger's method, print); returns
-    the record. A file that cannot be written costs the record, never the caller (one warning per file)."""
+    the record. `text` follows the fields after `sep`. A file that cannot be written costs the record, never the
+    caller (one warning per file)."""
     record = {"v": VERSION, "wall": time.time(), "mono": time.monotonic(),
-              "source": {"role": role, "node": node, "rank": rank, "pid": os.getpid()},
-              "kind": kind, "event": event, "fields": fields, "text": text}
+              "source": {**source._asdict(), "pid": os.getpid()},
+              "kind": kind, "event": event, "fields": fields, "text": sep + text if text else ""}
     path = os.environ.get(EVENTS)
     if path:
         append(path, record)
@@ -64,14 +73,22 @@ def line(record: dict) -> str:
     """The human log line of `record` (the one formatter of every event's text)."""
     source = record["source"]
     who = f"rank={source['rank']}" if source.get("rank") is not None else f"node={source.get('node')}"
-    parts = [record["kind"], who, f"event={record['event']}"]
-    parts += [f"{k}={_value(k, v)}" for k, v in record["fields"].items()]
-    return " ".join(parts) + (f": {record['text']}" if record.get("text") else "")
+    return f"{record['kind']} {who} event={record['event']}" + _fields(record, " ") + record.get("text", "")
+
+
+def details(record: dict) -> str:
+    """What the line says after the event's name: its fields, then its text."""
+    return _fields(record, "") + record.get("text", "")
+
+
+def _fields(record: dict, before: str) -> str:
+    said = " ".join(f"{k}={_value(k, v)}" for k, v in record["fields"].items())
+    return before + said if said else ""
 
 
 def _value(name: str, value) -> str:
     if isinstance(value, float):
-        return f"{value:.3f}".rstrip("0").rstrip(".")  # the record keeps every digit
+        return f"{value:.3f}".rstrip("0").rstrip(".")
     if name in QUOTED:
         return f'"{value}"'
     return str(value)

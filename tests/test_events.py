@@ -15,7 +15,7 @@ from inmem_ft import events
 os.environ[events.EVENTS] = sys.argv[1]
 for i in range(int(sys.argv[3])):
     # every other record longer than PIPE_BUF: those are written under the lock
-    events.emit("rank", "restore", "sentinel_trip", rank=int(sys.argv[2]), i=i, pad="x" * (5000 * (i % 2)))
+    events.emit(events.Source("rank", 0, int(sys.argv[2])), "restore", "sentinel_trip", i=i, pad="x" * (5000 * (i % 2)))
 """
 EACH = 300
 
@@ -39,7 +39,7 @@ def test_concurrent_appenders_torn_line_permissions_and_the_line(tmp_path, caplo
     os.environ[events.EVENTS] = str(path)
     try:
         said = []
-        record = events.emit("agent", "agent", "failure_detected", node=3, say=said.append,
+        record = events.emit(events.Source("agent", 3), "agent", "failure_detected", say=said.append,
                              failure="rank 1 exited with -9", timeout_s=3.0, text="counted from the last poll")
     finally:
         del os.environ[events.EVENTS]

@@ -86,7 +86,7 @@ def test_steps_a_rank_beat_after_the_failure_was_detected_count_as_reached(tmp_p
     from inmem_ft.agent.clock import RecoveryClock
 
     said = []
-    clock = RecoveryClock(str(tmp_path / "time_lost.json"), said.append)
+    clock = RecoveryClock(str(tmp_path / "time_lost.json"), lambda event, **_: said.append(f"event={event}"))
     clock.failed("hang", {0: {"step": 19, "time": 1.0}, 1: {"step": 19, "time": 1.0}}, failed_at=1.0, note="-")
     clock.stopped({0: {"step": 20, "time": 2.0}, 1: {"step": 19, "time": 1.0}})
     clock.close()

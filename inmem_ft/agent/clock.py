@@ -19,7 +19,7 @@ from ..telemetry import read_record, write_record
 
 class RecoveryClock:
     def __init__(self, json_path: str, say):
-        """`say`: where each failure's one-line report goes (the agent's log)."""
+        """`say(event, text=, sep=, **fields)`: where each failure's event goes (the agent's log and events)."""
         self.json_path, self.say = json_path, say
         self.splits: list[dict] = []
         self._restart: timelost.Restart | None = None
@@ -40,7 +40,7 @@ class RecoveryClock:
             note = "when it failed is unknown (it died before its first poll): counted from its detection"
         self._restart = timelost.Restart(cause, failed_at, now, now, reached, note)
         self._ranks, self._back = {}, []  # the failed attempt's ranks are not the restart's
-        self.say(f"event=failure_detected failure=\"{cause}\"")
+        self.say("failure_detected", failure=cause)
 
     def stopped(self, beats: dict[int, dict]) -> None:
         """The local ranks are stopped; `beats`: their last heartbeats. A rank may still have stepped after the
@@ -80,7 +80,7 @@ class RecoveryClock:
         split = timelost.measure(restart, ranks, self._back, end_note)
         self.splits.append(split)
         starts = ",".join(f"{how.replace(' ', '_')}:{n}" for how, n in sorted(split["starts"].items()))
-        self.say(f"event=time_lost failure=\"{restart.cause}\" {timelost.describe(split)} "
+        self.say("time_lost", failure=restart.cause, sep=" ", text=f"{timelost.describe(split)} "
                  f"ranks_started={starts or 'none'} (json: {self.json_path})")
         write_record(self.json_path, self.splits)
 
