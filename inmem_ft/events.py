@@ -17,7 +17,7 @@ record, so that the timeline, the time-lost report and the benchmarks read recor
             as the line shows it after the fields (": why ...", or "" for none)
 
 The human line is `KIND node=N|rank=R event=NAME k=v ...TEXT` (with the `[inmem_ft]` prefix where the sink adds
-one). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes; a float
+one); an event named as its kind leaves `event=` out (a rank's `restore rank=R step=S source=X seconds=T ...`). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes; a float
 to the millisecond (the record keeps every digit).
 
 The file is $INMEM_FT_EVENTS, which `inmem-ft run` sets for its SMP and its ranks (one file per node); without
@@ -53,13 +53,13 @@ class Source(NamedTuple):
     rank: int | None = None
 
 
-def emit(source: Source, kind: str, event: str, *, say: Callable[[str], None] | None = None, text: str = "",
+def emit(by: Source, kind: str, event: str, /, *, say: Callable[[str], None] | None = None, text: str = "",
          sep: str = ": ", **fields) -> dict:
     """Record `event` in $INMEM_FT_EVENTS and hand its human line to `say` (a logger's method, print); returns
     the record. `text` follows the fields after `sep`. A file that cannot be written costs the record, never the
     caller (one warning per file)."""
     record = {"v": VERSION, "wall": time.time(), "mono": time.monotonic(),
-              "source": {**source._asdict(), "pid": os.getpid()},
+              "source": {**by._asdict(), "pid": os.getpid()},
               "kind": kind, "event": event, "fields": fields, "text": sep + text if text else ""}
     path = os.environ.get(EVENTS)
     if path:
@@ -73,7 +73,8 @@ def line(record: dict) -> str:
     """The human log line of `record` (the one formatter of every event's text)."""
     source = record["source"]
     who = f"rank={source['rank']}" if source.get("rank") is not None else f"node={source.get('node')}"
-    return f"{record['kind']} {who} event={record['event']}" + _fields(record, " ") + record.get("text", "")
+    name = "" if record["event"] == record["kind"] else f" event={record['event']}"
+    return f"{record['kind']} {who}{name}" + _fields(record, " ") + record.get("text", "")
 
 
 def details(record: dict) -> str:

@@ -50,7 +50,8 @@ class InmemAgent(LocalElasticAgent):
         self.opts = options
         self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
                            lines.sayer("launch", options.node))
-        self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say)
+        self.events = os.environ.get(events.EVENTS) or os.path.join(options.work_dir, EVENTS_FILE)
+        self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say, self.events)
         self._attempt = 0
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
@@ -64,8 +65,7 @@ class InmemAgent(LocalElasticAgent):
 
     def run(self, *args, **kwargs) -> RunResult:
         os.makedirs(self.opts.work_dir, mode=0o700, exist_ok=True)
-        # The node's events file, for this process, its SMP and its ranks (they inherit the environment).
-        os.environ.setdefault(events.EVENTS, os.path.join(self.opts.work_dir, EVENTS_FILE))
+        os.environ[events.EVENTS] = self.events  # this process's, its SMP's and its ranks' (they inherit it)
         if self._poll:
             poll, nodes = self._poll
             self.say("rdzv_poll", poll_s=poll, nodes=nodes, text=f"the rendezvous reads its store every "
@@ -117,10 +117,8 @@ class InmemAgent(LocalElasticAgent):
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
         self._alive_at = None
-        logs = self._pcontext.stderrs
         self.clock.launched(self._attempt, launched_at, {
-            w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
-            for w in worker_group.workers})
+            w.global_rank: os.path.join(attempt_dir, f"rank{w.global_rank}.json") for w in worker_group.workers})
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
