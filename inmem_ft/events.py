@@ -23,7 +23,8 @@ to the millisecond (the record keeps every digit).
 The file is $INMEM_FT_EVENTS, which `inmem-ft run` sets for its SMP and its ranks (one file per node); without
 it an event is only its log line. Created 0600 (its folder 0700); each record is one write() with O_APPEND, under
 an exclusive lock when it is longer than PIPE_BUF, so lines of concurrent writers never interleave. A reader skips,
-with one log line saying so, a line that is not a whole record (a writer killed in the middle of its write).
+with one log line saying so, a line that is not a whole record (a writer killed in the middle of its write), keeping the
+whole record another writer appended after it on the same line.
 Nothing here is unpickled: JSON only.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ from . import telemetry
 EVENTS = "INMEM_FT_EVENTS"
 VERSION = 1
 ROLES = ("agent", "smp", "rank")
-QUOTED = ("failure",)  # free text that a reader of the line splits on its quotes
+QUOTED = ("failure",)
+RECORD_START = '{"v":'  # how every line begins: a reader finds a whole record after a torn one by it  # free text that a reader of the line splits on its quotes
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -97,7 +99,7 @@ def _value(name: str, value) -> str:
 
 def append(path: str, record: dict) -> None:
     """One record as one line of `path`, created owner-only."""
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    data = (json.dumps(record, separators=(",", ":")) + "\n").encode()  # starts with RECORD_START
     try:
         os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -139,14 +141,14 @@ class Reader:
     def _parse(self, text: str) -> dict | None:
         if not text.strip():
             return None
-        try:
-            record = json.loads(text)
-        except ValueError:
-            record = None
-        if not _valid(record):
-            log.warning("events: skipped a line of %s that is not a whole record (a writer stopped in the middle "
-                        "of it?): %.80r", self.path, text)
-            return None
+        record = _load(text)
+        if record is not None:
+            return record
+        # A writer killed in the middle of its line leaves it without a newline; the next record follows on it.
+        start = text.rfind(RECORD_START, 1)
+        record = _load(text[start:]) if start > 0 else None
+        log.warning("events: skipped %s of %s that is not a whole record (a writer stopped in the middle of it?): "
+                    "%.80r", "the torn start of a line" if record else "a line", self.path, text)
         return record
 
 
@@ -165,6 +167,14 @@ def read(path: str) -> list[dict]:
         log.warning("events: skipped the torn last line of %s (%d bytes without a newline: its writer stopped in "
                     "the middle of it)", path, len(torn))
     return records
+
+
+def _load(text: str) -> dict | None:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    return record if _valid(record) else None
 
 
 def _valid(record) -> bool:
