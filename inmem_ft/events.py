@@ -17,15 +17,16 @@ record, so that the timeline, the time-lost report and the benchmarks read recor
             as the line shows it after the fields (": why ...", or "" for none)
 
 The human line is `KIND node=N|rank=R event=NAME k=v ...TEXT` (with the `[inmem_ft]` prefix where the sink adds
-one); an event named as its kind leaves `event=` out (a rank's `restore rank=R step=S source=X seconds=T ...`). A string value is written as it is, except the free-text fields named in QUOTED, in double quotes; a float
-to the millisecond (the record keeps every digit).
+one); an event named as its kind leaves `event=` out (a rank's `restore rank=R step=S source=X seconds=T ...`).
+A string value is written as it is, except the free-text fields named in QUOTED, in double quotes; a float to the
+millisecond (the record keeps every digit).
 
 The file is $INMEM_FT_EVENTS, which `inmem-ft run` sets for its SMP and its ranks (one file per node); without
 it an event is only its log line. Created 0600 (its folder 0700); each record is one write() with O_APPEND, under
-an exclusive lock when it is longer than PIPE_BUF, so lines of concurrent writers never interleave. A reader skips,
-with one log line saying so, a line that is not a whole record (a writer killed in the middle of its write), keeping the
-whole record another writer appended after it on the same line.
-Nothing here is unpickled: JSON only.
+an exclusive lock when it is longer than PIPE_BUF, so lines of concurrent writers never interleave. A reader
+skips, with one log line saying so, a line that is not a whole record (a writer killed in the middle of its
+write), keeping the whole record another writer appended after it on the same line. Nothing here is unpickled:
+JSON only.
 """
 from __future__ import annotations
 
@@ -41,16 +42,15 @@ from . import telemetry
 
 EVENTS = "INMEM_FT_EVENTS"
 VERSION = 1
-ROLES = ("agent", "smp", "rank")
-QUOTED = ("failure",)
-RECORD_START = '{"v":'  # how every line begins: a reader finds a whole record after a torn one by it  # free text that a reader of the line splits on its quotes
+QUOTED = ("failure",)  # free text that a reader of the line splits on its quotes
+RECORD_START = '{"v":'  # how every line begins: a reader finds a whole record after a torn one by it
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 
 class Source(NamedTuple):
-    role: str  # one of ROLES
+    role: str  # agent, smp or rank
     node: int | str | None
     rank: int | None = None
 
