@@ -42,7 +42,7 @@ from . import telemetry
 
 EVENTS = "INMEM_FT_EVENTS"
 VERSION = 1
-QUOTED = ("failure",)  # free text that a reader of the line splits on its quotes
+QUOTED = ("failure", "msg")  # free text that a reader of the line splits on its quotes
 RECORD_START = '{"v":'  # how every line begins: a reader finds a whole record after a torn one by it
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ def say(kind: str, node: int | str, event: str, text: str = "", sep: str = ": ",
 def refuse(node: int | str, rc: int, message: str) -> int:
     """The one line that says what is wrong (stderr), and its `launch ... event=error` record; returns `rc`."""
     print(f"inmem-ft run: error: {message}", file=sys.stderr)
-    events.emit(events.Source("agent", node), "launch", "error", say=_stderr, rc=rc, msg=repr(message))
+    events.emit(events.Source("agent", node), "launch", "error", say=_stderr, rc=rc, msg=message)
     return rc
 
 
