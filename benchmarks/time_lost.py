@@ -32,7 +32,6 @@ sys.path.insert(0, ROOT)  # runs from a checkout without installing the package
 sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/slurm_cluster.py: the real SLURM the tests use
 
 from inmem_ft import events  # noqa: E402
-from inmem_ft.agent.agent import EVENTS_FILE  # noqa: E402
 from inmem_ft.launcher.ports import free_port  # noqa: E402
 from inmem_ft.smp.segments import names_with_prefix, unlink  # noqa: E402
 from slurm_cluster import SlurmCluster, unavailable  # noqa: E402
@@ -174,7 +173,7 @@ def _back_past(records: list[dict], at: float) -> bool:
 def _agent_events(runtime: str, job: str, name: str) -> list[dict]:
     """The records of event `name` the nodes' agents wrote so far (inmem_ft/events.py), node 0's first."""
     return [r for node in range(2)
-            for r in events.where(events.Reader(os.path.join(runtime, job, f"agent-node{node}", EVENTS_FILE))
+            for r in events.where(events.Reader(os.path.join(runtime, job, f"agent-node{node}", events.FILE))
                                   .records(), name)]
 
 

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 from . import telemetry
 
 EVENTS = "INMEM_FT_EVENTS"
+FILE = "events.jsonl"  # its name in the agent's work dir, unless $INMEM_FT_EVENTS says elsewhere
 VERSION = 1
 QUOTED = ("failure", "msg")  # free text that a reader of the line splits on its quotes
 RECORD_START = '{"v":'  # how every line begins: a reader finds a whole record after a torn one by it

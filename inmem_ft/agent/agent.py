@@ -25,7 +25,6 @@ from .clock import RecoveryClock
 from .node_smp import NodeSMP
 from .standbys import StandbyPool, from_standbys, onto
 
-EVENTS_FILE = "events.jsonl"  # in the work dir, unless $INMEM_FT_EVENTS says elsewhere
 KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
 
 
@@ -50,7 +49,7 @@ class InmemAgent(LocalElasticAgent):
         self.opts = options
         self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
                            lines.sayer("launch", options.node))
-        self.events = os.environ.get(events.EVENTS) or os.path.join(options.work_dir, EVENTS_FILE)
+        self.events = os.environ.get(events.EVENTS) or os.path.join(options.work_dir, events.FILE)
         self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say, self.events)
         self._attempt = 0
         self._hb_dir = ""

@@ -23,7 +23,6 @@ from typing import Callable
 
 from .. import events, telemetry
 from ..agent import hangs
-from ..agent.agent import EVENTS_FILE
 from ..cluster.options import ECOptions
 from ..errors import ConfigError
 from ..smp import control, inventory, nodelock, paths
@@ -114,7 +113,7 @@ class NodeAgent:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([*command, "--work-dir", self.work_dir, "--", *argv], env=env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.events = events.Reader(os.path.join(self.work_dir, EVENTS_FILE))  # its own, its SMP's, its ranks'
+        self.events = events.Reader(os.path.join(self.work_dir, events.FILE))  # its own, its SMP's, its ranks'
         self.reported = 0  # entries of its time_lost.json already taken
         self._pids: tuple[str, dict[int, int]] = ("", {})  # the newest attempt's ranks' pids, as found so far
 
