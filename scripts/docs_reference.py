@@ -227,7 +227,8 @@ SAID = re.compile(r'(?<!lines\.)\bsay\("([a-z][a-z_]+)"|\blines\.say\("[a-z]+", 
 def events() -> str:
     """Every `event=NAME` the code logs, with the modules that log it."""
     seen: dict[str, set[str]] = {}
-    for path in sorted((REPO / "inmem_ft").rglob("*")):
+    # The launch scripts live in launch/ (inmem_ft/launch_scripts links there; rglob keeps out of links).
+    for path in sorted([*(REPO / "inmem_ft").rglob("*"), *(REPO / "launch").rglob("*")]):
         if path.suffix not in (".py", ".sh", ".sbatch") or path.name == "envvars.py":
             continue
         text = path.read_text()
