@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 # - jobid.py (the job id rule), argtypes.py (the commands' argparse types and parser), compat.py (the
 #   frameworks' tested ranges), deprecation.py, assets.py and telemetry.py (a rank's log lines, the loss
 #   report, the fatal-signal handler) need nothing but errors/units: every layer may use them, the SMP too.
+# - events.py (the timeline events: a JSON line each in the node's events file, the log line from it) is written
+#   by the agent, the SMP and the ranks alike: a leaf beside telemetry.py, whose Tail it reads with.
 # - teardown.py (a rank's exit: process groups destroyed within bounds, then its own exit code) is used by
 #   capture to bound its destroys; capture registers how to destroy its groups (teardown.destroy_first), so
 #   teardown knows no layer above it: a leaf.
@@ -38,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 # - export.py is `inmem-ft export`'s dispatcher over the adapters' writers: it sits with the CLI.
 LAYERS: list[tuple[str, list[str]]] = [
     ("leaf", ["_lazy", "_version", "errors", "units", "envvars", "pages", "device", "jobid", "argtypes",
-              "compat", "deprecation", "assets", "telemetry", "teardown"]),
+              "compat", "deprecation", "assets", "telemetry", "events", "teardown"]),
     ("snapshot, ec", ["snapshot", "ec"]),
     ("persist", ["persist"]),
     ("smp", ["smp"]),
