@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # runs from a checkout without installing the package
 sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/slurm_cluster.py: the real SLURM the tests use
 
+from inmem_ft import events  # noqa: E402
 from inmem_ft.launcher.ports import free_port  # noqa: E402
 from inmem_ft.smp.segments import names_with_prefix, unlink  # noqa: E402
 from slurm_cluster import SlurmCluster, unavailable  # noqa: E402
@@ -123,8 +123,7 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
         if standbys == "0":
             _wait(lambda: _steps(loss_log) and _steps(loss_log)[-1]["step"] >= 4 * INTERVAL, run, "training")
         else:
-            _wait(lambda: len(re.findall(r"agent node=\d event=standbys_ready", run.output())) == 2, run,
-                  "both nodes' standbys ready")
+            _wait(lambda: len(_agent_events(runtime, job, "standbys_ready")) == 2, run, "both nodes' standbys ready")
         victim = _rank_pid(job, VICTIM)
         at = time.time()
         os.kill(victim, signum)
@@ -136,9 +135,9 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
     lost, reached, restored = _recovery(_steps(loss_log), at)
     out = {"lost_s": lost, "reached_step": reached, "restored_step": restored}
     text = run.output()
-    rss = re.findall(r"event=standbys_ready count=\d+ rss_mib=([\d,]+)", text)
-    if rss:
-        out["standby_rss_mib"] = [int(x) for x in rss[0].split(",")]
+    ready = _agent_events(runtime, job, "standbys_ready")
+    if ready:
+        out["standby_rss_mib"] = [int(x) for x in ready[0]["fields"]["rss_mib"].split(",")]
     if agent == "inmem":
         splits = _read_json(os.path.join(runtime, job, "agent-node1", "time_lost.json"))
         if not splits:
@@ -169,6 +168,13 @@ def _back_past(records: list[dict], at: float) -> bool:
     figure: a step the failed attempt still logged after `at` is followed by the restart's)."""
     found = _recovery(records, at)
     return found is not None and records[-1]["step"] >= found[1] + 2
+
+
+def _agent_events(runtime: str, job: str, name: str) -> list[dict]:
+    """The records of event `name` the nodes' agents wrote so far (inmem_ft/events.py), node 0's first."""
+    return [r for node in range(2)
+            for r in events.where(events.Reader(os.path.join(runtime, job, f"agent-node{node}", events.FILE))
+                                  .records(), name)]
 
 
 def _rank_pid(job: str, rank: int) -> int:

@@ -108,6 +108,10 @@ VARIABLES: tuple[EnvVar, ...] = (
            "Which attempt (restart) of the job a rank belongs to.", internal=True),
     EnvVar("INMEM_FT_HEARTBEAT_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
            "Where each rank's heartbeat record goes (hang detection).", internal=True),
+    EnvVar("INMEM_FT_EVENTS", "the agent, the SMP and the ranks under `inmem-ft run`",
+           "set by the agent: `<work dir>/events.jsonl`", "path (JSON lines, mode 0600)",
+           "The node's events file: each timeline event as one JSON record (inmem_ft/events.py, docs/agent.md); "
+           "set it before `inmem-ft run` to put the file elsewhere.", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD", "ranks of the simulated cluster", "set by the launcher", "path",
            "Where a worker records its start (time lost per failure).", internal=True),
     EnvVar("INMEM_FT_WORKER_RECORD_DIR", "workers under `inmem-ft run`", "set by the agent", "directory",
@@ -115,4 +119,12 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar("INMEM_FT_TEST_CORRUPT_AT", "the examples (tests of the check after a restore)", "unset", "step",
            "Rank 0 makes one Adam second moment negative right after that step's optimizer step, before its "
            "snapshot, on the first attempt only: a state saved bad with valid checksums.", internal=True),
+    EnvVar("INMEM_FT_TEST_SPIKE_AT", "the examples (tests of the check after a restore)", "unset", "step",
+           "Rank 0 multiplies its first parameter by 30 at that place instead: finite, but the losses after a "
+           "restore of it spike above the bound.", internal=True),
+    EnvVar("INMEM_FT_TEST_FLIP_AT", "the examples (tests of replica fingerprints)", "unset", "step",
+           "Right after that step's optimizer step, one bit of one replicated weight flips on one rank, before "
+           "the snapshot: replicas that disagree.", internal=True),
+    EnvVar("INMEM_FT_TEST_FLIP_RANK", "the examples (tests of replica fingerprints)", "1", "rank",
+           "The rank whose weight INMEM_FT_TEST_FLIP_AT flips.", internal=True),
 )

@@ -218,6 +218,10 @@ def env_vars() -> str:
 
 EVENT = re.compile(r"event=([a-z][a-z_]+)")
 SCRIPT_EVENT = re.compile(r'\blog "([a-z][a-z_]+)')  # the launch scripts' log(): `log "smp_started pid=..."`
+# Events written through inmem_ft/events.py: `events.emit(BY, "KIND", "NAME", ...)` (one named as its kind, the
+# restore line, has no `event=`), the agent's `say("NAME", ...)` and `lines.say("KIND", NODE, "NAME", ...)`.
+EMITTED = re.compile(r'\bemit\((?:[^()]|\([^()]*\))*?, "([a-z]+)", "([a-z][a-z_]+)"')
+SAID = re.compile(r'(?<!lines\.)\bsay\("([a-z][a-z_]+)"|\blines\.say\("[a-z]+", [^,]+, "([a-z][a-z_]+)"')
 
 
 def events() -> str:
@@ -228,7 +232,10 @@ def events() -> str:
         if path.suffix not in (".py", ".sh", ".sbatch") or path.name == "envvars.py":
             continue
         text = path.read_text()
-        for name in EVENT.findall(text) + (SCRIPT_EVENT.findall(text) if path.suffix != ".py" else []):
+        names = EVENT.findall(text) + (SCRIPT_EVENT.findall(text) if path.suffix != ".py" else [])
+        names += [name for kind, name in EMITTED.findall(text) if name != kind]
+        names += [said or named for said, named in SAID.findall(text)]
+        for name in names:
             seen.setdefault(name, set()).add(str(path.relative_to(REPO)))
     rows = [[f"`event={name}`", ", ".join(f"`{m}`" for m in sorted(mods))] for name, mods in sorted(seen.items())]
     return _table(["event", "logged by"], rows)

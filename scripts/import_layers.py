@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 #   report, the fatal-signal handler) need nothing but errors/units: every layer may use them, the SMP too.
 #   globalbatch.py (the gradient accumulation that keeps a global batch across a DP change) is arithmetic
 #   on errors alone: config.py and the adapters read it.
+# - events.py (the timeline events: a JSON line each in the node's events file, the log line from it) is written
+#   by the agent, the SMP and the ranks alike: a leaf beside telemetry.py, whose Tail it reads with.
 # - teardown.py (a rank's exit: process groups destroyed within bounds, then its own exit code) is used by
 #   capture to bound its destroys; capture registers how to destroy its groups (teardown.destroy_first), so
 #   teardown knows no layer above it: a leaf.
@@ -40,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 # - export.py is `inmem-ft export`'s dispatcher over the adapters' writers: it sits with the CLI.
 LAYERS: list[tuple[str, list[str]]] = [
     ("leaf", ["_lazy", "_version", "errors", "units", "envvars", "pages", "device", "jobid", "argtypes",
-              "compat", "deprecation", "assets", "telemetry", "teardown", "globalbatch"]),
+              "compat", "deprecation", "assets", "telemetry", "events", "teardown", "globalbatch"]),
     ("snapshot, ec", ["snapshot", "ec"]),
     ("persist", ["persist"]),
     ("smp", ["smp"]),

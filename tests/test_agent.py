@@ -294,7 +294,7 @@ def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, m
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('out', os.environ['RANK'], sys.argv[1:])\nprint('err', file=sys.stderr)\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)
-    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda line: None)
+    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda *event, **fields: None)
     try:
         assert pool.refill([str(tmp_path / "no-rank-yet.json")]) == 1
         assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1

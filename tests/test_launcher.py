@@ -61,11 +61,11 @@ def test_a_boundary_nobody_recorded_merges_its_parts_and_says_why():
     from inmem_ft.agent.timelost import RankReport, Restart, measure
 
     t = 1_700_000_000.0
-    line = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t + 9)) + ",000 INFO [inmem_ft] restore rank=0 " \
-        "step=10 source=memory seconds=1.000 list_s=0.001"
+    restore = {"wall": t + 9, "event": "restore", "source": {"role": "rank", "node": 0, "rank": 0},
+               "fields": {"step": 10, "source": "memory", "seconds": 1.0, "list_s": 0.001}}
     ranks = {0: RankReport({"standby": True, "ready": t, "assigned": t + 3, "rendezvous_start": t + 4,
-                            "rendezvous_end": t + 5}, line),
-             1: RankReport({"standby": False, "rendezvous_start": t + 4.5, "rendezvous_end": t + 5}, "no restore")}
+                            "rendezvous_end": t + 5}, [restore]),
+             1: RankReport({"standby": False, "rendezvous_start": t + 4.5, "rendezvous_end": t + 5}, [])}
     losses = [{"step": 12, "time": t - 1}, {"step": 11, "time": t + 10}, {"step": 12, "time": t + 11}]
     split = measure(Restart("kill", t, t + 1, t + 2, 12, attempt=2, launched_at=t + 3), ranks, losses)
     assert [(p["part"], p["seconds"]) for p in split["parts"]] == [
@@ -86,7 +86,8 @@ def test_steps_a_rank_beat_after_the_failure_was_detected_count_as_reached(tmp_p
     from inmem_ft.agent.clock import RecoveryClock
 
     said = []
-    clock = RecoveryClock(str(tmp_path / "time_lost.json"), said.append)
+    clock = RecoveryClock(str(tmp_path / "time_lost.json"), lambda event, **_: said.append(f"event={event}"),
+                          str(tmp_path / "events.jsonl"))
     clock.failed("hang", {0: {"step": 19, "time": 1.0}, 1: {"step": 19, "time": 1.0}}, failed_at=1.0, note="-")
     clock.stopped({0: {"step": 20, "time": 2.0}, 1: {"step": 19, "time": 1.0}})
     clock.close()

@@ -18,7 +18,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from .. import telemetry
+from .. import events, telemetry
 from ..errors import STOP_EXIT
 from ..smp import control
 from .worker import RECORD_DIR
@@ -53,7 +53,8 @@ class InmemAgent(LocalElasticAgent):
         self.opts = options
         self.smp = NodeSMP(options.job, options.node, options.socket, options.memory_budget, options.smp_args,
                            lines.sayer("launch", options.node))
-        self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say)
+        self.events = os.environ.get(events.EVENTS) or os.path.join(options.work_dir, events.FILE)
+        self.clock = RecoveryClock(os.path.join(options.work_dir, "time_lost.json"), self.say, self.events)
         self._attempt = 0
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
@@ -66,15 +67,16 @@ class InmemAgent(LocalElasticAgent):
         if options.nodes[0] < options.nodes[1]:
             self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
 
-    def say(self, text: str) -> None:
-        """One `[inmem_ft] agent node=N event=...` line in the job's log."""
-        lines.say("agent", self.opts.node, text)
+    def say(self, event: str, text: str = "", sep: str = ": ", **fields) -> None:
+        """One `[inmem_ft] agent node=N event=...` line in the job's log, and its record in the events file."""
+        lines.say("agent", self.opts.node, event, text, sep, **fields)
 
     def run(self, *args, **kwargs) -> RunResult:
         os.makedirs(self.opts.work_dir, mode=0o700, exist_ok=True)
+        os.environ[events.EVENTS] = self.events  # this process's, its SMP's and its ranks' (they inherit it)
         if self._poll:
             poll, nodes = self._poll
-            self.say(f"event=rdzv_poll poll_s={poll:g} nodes={nodes}: the rendezvous reads its store every "
+            self.say("rdzv_poll", poll_s=poll, nodes=nodes, text=f"the rendezvous reads its store every "
                      f"{poll * 1000:g} ms while it waits (torch's own: every {rendezvous.MAX_S:g} s)")
         low, high = self.opts.nodes
         if low < high:
@@ -104,7 +106,7 @@ class InmemAgent(LocalElasticAgent):
             # Stopped from outside (preemption, scancel, requeue, time limit): the SMP spills at once, before
             # torch stops the ranks, which can take longer than the grace time before SIGKILL; the snapshots in
             # memory are whole already.
-            self.smp.say(f"event=signal sig={signal.Signals(e.sigval).name.removeprefix('SIG')}")
+            self.smp.say("signal", sig=signal.Signals(e.sigval).name.removeprefix('SIG'))
             self._stop_smp(False, True)
             raise
 
@@ -129,10 +131,8 @@ class InmemAgent(LocalElasticAgent):
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
         self._alive_at = None
-        logs = self._pcontext.stderrs
         self.clock.launched(self._attempt, launched_at, {
-            w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
-            for w in worker_group.workers})
+            w.global_rank: os.path.join(attempt_dir, f"rank{w.global_rank}.json") for w in worker_group.workers})
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
@@ -152,7 +152,7 @@ class InmemAgent(LocalElasticAgent):
         beats = self._last_beats = self._beats(worker_group)
         if not self.smp.alive():
             lost = self.smp.pid
-            self.say(f"event=smp_lost pid={lost}: starting a new one, then restarting the ranks")
+            self.say("smp_lost", pid=lost, text="starting a new one, then restarting the ranks")
             self.smp.start()  # before torch starts new ranks, which need it
             if result.state == WorkerState.HEALTHY:
                 return self._recover_smp(worker_group, beats, lost)
@@ -168,7 +168,7 @@ class InmemAgent(LocalElasticAgent):
             stopped = sorted(r for r, f in result.failures.items() if f.exitcode == STOP_EXIT)
             if stopped:  # a restart cannot help (restored states went bad twice in a row): the job fails now
                 self._remaining_restarts = 0
-                self.say(f"event=job_stopped ranks={','.join(map(str, stopped))}: rank {stopped[0]} exited with "
+                self.say("job_stopped", ranks=",".join(map(str, stopped)), text=f"rank {stopped[0]} exited with "
                          f"{STOP_EXIT}, which asks not to be restarted (its log says why); the job stops")
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
@@ -245,8 +245,7 @@ class InmemAgent(LocalElasticAgent):
 
     def _say_started(self, worker_group) -> None:
         warm = from_standbys(self._pcontext)
-        self.say(f"event=ranks_started attempt={self._attempt} from_standby={warm} "
-                 f"cold={len(worker_group.workers) - warm}")
+        self.say("ranks_started", attempt=self._attempt, from_standby=warm, cold=len(worker_group.workers) - warm)
 
     def _refill_standbys(self, worker_group, beats: dict[int, dict]) -> None:
         """Once every local rank beats and no restart is being timed (training runs), top the standbys up; each
@@ -270,12 +269,12 @@ class InmemAgent(LocalElasticAgent):
         cause = f"no heartbeat for over {self.opts.hang_timeout_s:g} s from rank(s) {hung} (hung: {what})"
         self.clock.failed(cause, beats, failed_at=min(beats[r]["time"] for r in hung),
                           note="a hung rank hangs after its last heartbeat: counted from that beat")
-        self.say(f"event=hang ranks={','.join(map(str, hung))} timeout_s={self.opts.hang_timeout_s:g}: {what}")
+        self.say("hang", ranks=",".join(map(str, hung)), timeout_s=self.opts.hang_timeout_s, text=what)
         logs = self._pcontext.stderrs
         stacks = hangs.dump_and_kill({beats[r]["pid"]: logs.get(local[r], "") for r in hung}, self.opts.dump_wait_s)
         for r in hung:
             stack = stacks[beats[r]["pid"]]
-            self.say(f"event=hang_stack rank={r} pid={beats[r]['pid']}:\n{stack or '(no stack came: see its log)'}")
+            self.say("hang_stack", rank=r, pid=beats[r]["pid"], text=stack or "(no stack came: see its log)", sep=":\n")
         return self._failed_result(worker_group)
 
     def _failed_result(self, worker_group) -> RunResult:

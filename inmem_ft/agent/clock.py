@@ -1,12 +1,12 @@
 """The time each failure costs on this node, as the agent sees it: the boundaries of agent/timelost.py
-recorded from the agent's hooks, the rest from its ranks' records, logs and heartbeats.
+recorded from the agent's hooks, the rest from its ranks' records, restore events and heartbeats.
 
     failure    a hung rank's last heartbeat; for a crash, the last poll that found every local rank running
                (the crash came after it, within the monitor interval)
     detected   the monitor found a rank failed or hung, or a peer node's agent asked for a new round
     stopped    the local ranks are stopped
     launched   the agents' rendezvous is done and the new ranks are being started
-    ...        the ranks' rendezvous and restore (their records and logs)
+    ...        the ranks' rendezvous and restore (their records and restore events)
     back       every local rank's heartbeat is at the step the node had reached (to the monitor interval)
 """
 from __future__ import annotations
@@ -14,16 +14,19 @@ from __future__ import annotations
 import time
 
 from . import timelost
+from .. import events
 from ..telemetry import read_record, write_record
 
 
 class RecoveryClock:
-    def __init__(self, json_path: str, say):
-        """`say`: where each failure's one-line report goes (the agent's log)."""
+    def __init__(self, json_path: str, say, events_path: str):
+        """`say(event, text=, sep=, **fields)`: where each failure's event goes (the agent's log and events);
+        `events_path`: the node's events file, where its ranks' restore events are."""
         self.json_path, self.say = json_path, say
+        self._events = events.Reader(events_path)
         self.splits: list[dict] = []
         self._restart: timelost.Restart | None = None
-        self._ranks: dict[int, tuple[str, str]] = {}  # the restart's ranks: global rank -> (record, stderr log)
+        self._ranks: dict[int, str] = {}  # the restart's ranks: global rank -> its worker record
         self._back: list[dict] = []
 
     @property
@@ -40,7 +43,7 @@ class RecoveryClock:
             note = "when it failed is unknown (it died before its first poll): counted from its detection"
         self._restart = timelost.Restart(cause, failed_at, now, now, reached, note)
         self._ranks, self._back = {}, []  # the failed attempt's ranks are not the restart's
-        self.say(f"event=failure_detected failure=\"{cause}\"")
+        self.say("failure_detected", failure=cause)
 
     def stopped(self, beats: dict[int, dict]) -> None:
         """The local ranks are stopped; `beats`: their last heartbeats. A rank may still have stepped after the
@@ -53,8 +56,8 @@ class RecoveryClock:
             if last is not None and (r.reached is None or last > r.reached):
                 r.reached = last
 
-    def launched(self, attempt: int, at: float, ranks: dict[int, tuple[str, str]]) -> None:
-        """The restart's ranks began to start `at`: `ranks` maps each to its worker record and its stderr log."""
+    def launched(self, attempt: int, at: float, ranks: dict[int, str]) -> None:
+        """The restart's ranks began to start `at`: `ranks` maps each to its worker record."""
         if self._restart is not None:
             self._restart.attempt, self._restart.launched_at = attempt, at
             self._ranks, self._back = ranks, []
@@ -75,19 +78,13 @@ class RecoveryClock:
 
     def _finish(self, end_note: str = "") -> None:
         restart, self._restart = self._restart, None
-        ranks = {rank: timelost.RankReport(read_record(record), _read(log))
-                 for rank, (record, log) in self._ranks.items()}
+        since = restart.launched_at if restart.launched_at is not None else restart.detected_at
+        new = [r for r in self._events.records() if r["wall"] >= since]
+        ranks = {rank: timelost.RankReport(read_record(record), events.where(new, "restore", role="rank", rank=rank))
+                 for rank, record in self._ranks.items()}
         split = timelost.measure(restart, ranks, self._back, end_note)
         self.splits.append(split)
         starts = ",".join(f"{how.replace(' ', '_')}:{n}" for how, n in sorted(split["starts"].items()))
-        self.say(f"event=time_lost failure=\"{restart.cause}\" {timelost.describe(split)} "
+        self.say("time_lost", failure=restart.cause, sep=" ", text=f"{timelost.describe(split)} "
                  f"ranks_started={starts or 'none'} (json: {self.json_path})")
         write_record(self.json_path, self.splits)
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""

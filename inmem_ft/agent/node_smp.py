@@ -31,7 +31,7 @@ class NodeSMP:
         found = control.ping(self.socket)
         if found:
             self.pid = found.get("pid")
-            self.say(f"event=smp_reused socket={self.socket}")
+            self.say("smp_reused", socket=self.socket)
             return
         if not self.budget:
             raise SMPUnavailable("no SMP serves this job and node: give --memory-budget (or "
@@ -45,7 +45,7 @@ class NodeSMP:
             raise SMPUnavailable(f"the SMP did not start: {out}")
         found = control.ping(self.socket)  # started means it answers; it says its own pid, no need to parse output
         self.pid = found.get("pid") if found else None
-        self.say(f"event=smp_started pid={self.pid} socket={self.socket}")
+        self.say("smp_started", pid=self.pid, socket=self.socket)
 
     def alive(self) -> bool:
         """Whether the SMP this agent started or reused still runs (a look at /proc: cheap enough for every
@@ -60,7 +60,7 @@ class NodeSMP:
             return
         self.stopped = True
         if control.ping(self.socket) is None:
-            self.say("event=smp_gone")
+            self.say("smp_gone")
             return
         if signalled and self.pid:
             os.kill(self.pid, signal.SIGTERM)
@@ -70,10 +70,10 @@ class NodeSMP:
                 from ..smp import inventory  # it imports the daemon: only here
 
                 inventory.remove(self.job, self.node)
-            self.say(f"event=smp_stopped wiped={int(wipe)} by=SIGTERM pid={self.pid}")
+            self.say("smp_stopped", wiped=int(wipe), by="SIGTERM", pid=self.pid)
             return
         control.stop(self.socket, wipe=wipe)
-        self.say(f"event=smp_stopped wiped={int(wipe)}" + (f" reason={reason}" if reason else ""))
+        self.say("smp_stopped", wiped=int(wipe), **({"reason": reason} if reason else {}))
 
 
 def _state(pid: int) -> str:

@@ -184,5 +184,5 @@ def main(argv: list[str] | None = None) -> int:
         rc = 128 + int(e.sigval)
     finally:
         launcher_api.LocalElasticAgent = original
-    lines.say("launch", opts.node, f"event=torchrun_exit rc={rc}")
+    lines.say("launch", opts.node, "torchrun_exit", rc=rc)
     return rc

@@ -69,14 +69,14 @@ class StandbyPool:
                                  start_new_session=True)
             self.waiting.append(Standby(proc, record, os.environ.get(CUDA_DEVICES)))
         self._said_ready = False
-        self.say(f"event=standbys_started count={new} waiting={len(self.waiting)}")
+        self.say("standbys_started", count=new, waiting=len(self.waiting))
         return new
 
     def off(self, why: str) -> None:
         """No standbys from now on: restarts start cold."""
         self.stop()
         self.count = 0
-        self.say(f"event=standbys_off: {why}")
+        self.say("standbys_off", text=why)
 
     def say_when_ready(self) -> None:
         """One line once every waiting standby is done importing, with what each holds in memory."""
@@ -84,7 +84,7 @@ class StandbyPool:
             return
         self._said_ready = True
         rss = [_rss_mib(s.proc.pid) for s in self.waiting]
-        self.say(f"event=standbys_ready count={len(self.waiting)} rss_mib={','.join(f'{r:.0f}' for r in rss)}")
+        self.say("standbys_ready", count=len(self.waiting), rss_mib=','.join(f'{r:.0f}' for r in rss))
 
     def hand_over(self, argv: list[str], env: dict, stdout: str | None, stderr: str | None) -> subprocess.Popen | None:
         """A standby now running `python argv...` (torchrun's command for a rank) with `env` and its output into

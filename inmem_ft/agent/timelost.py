@@ -11,8 +11,8 @@ node's agent (agent/clock.py) records them; `inmem-ft launch`, which injected th
     launched           the agents' new rendezvous round is done, and the ranks of the restart begin to start
     rendezvous start   the last rank called init_process_group (its worker's record)
     rendezvous end     the last rank's init_process_group returned (its worker's record)
-    restore start      the last rank began its restore (its `restore rank=... seconds=T` log line, less T)
-    restore end        the last rank finished it (that log line's time: 1 ms resolution)
+    restore start      the last rank began its restore (its restore event, `restore rank=... seconds=T`, less T)
+    restore end        the last rank finished it (that event's time)
     back               every rank is at the step the job had reached, again
 
 The parts between consecutive boundaries add up to the total. A boundary nobody recorded is not guessed: the
@@ -20,17 +20,11 @@ parts on either side of it are reported as one ("setup + restore") with a note s
 """
 from __future__ import annotations
 
-import re
-import time
 from collections import Counter
 from dataclasses import dataclass
 
 PARTS = ("detection", "teardown", "agent rendezvous", "start and imports", "rendezvous", "setup", "restore",
          "recompute")
-
-_RESTORE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\brestore rank=\d+ step=(\d+) source=\S+ "
-                      r"(?:from=\S+ to=\S+ )?seconds=([\d.]+)(.*)$", re.M)
-_PHASE = re.compile(r"\b(\w+)_s=([\d.]+)")
 
 
 @dataclass
@@ -50,22 +44,20 @@ class Restart:
 
 @dataclass
 class RankReport:
-    """What one rank of the restart recorded: its worker's record and its log."""
+    """What one rank of the restart recorded: its worker's record and its restore events (inmem_ft/events.py)."""
 
     record: dict | None
-    log: str
+    restores: list[dict]
 
 
-def restore_span(log: str) -> tuple[float, float, int, dict] | None:
-    """(start, end, step, phases) of the rank's restore, from its last `restore rank=R step=S source=X seconds=T`
-    line (an adapter logs the whole restore after the snapshot's own line, so the last one spans it all)."""
-    matches = list(_RESTORE.finditer(log))
-    if not matches:
+def restore_span(restores: list[dict]) -> tuple[float, float, int, dict] | None:
+    """(start, end, step, phases) of the rank's restore, from its last restore event (an adapter reports the whole
+    restore after the snapshot's own, so the last one spans it all)."""
+    if not restores:
         return None
-    m = matches[-1]
-    end = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-    phases = {k: float(v) for k, v in _PHASE.findall(m.group(5))}
-    return end - float(m.group(4)), end, int(m.group(3)), phases
+    fields, end = restores[-1]["fields"], restores[-1]["wall"]
+    phases = {k[:-len("_s")]: v for k, v in fields.items() if k.endswith("_s")}
+    return end - fields["seconds"], end, fields["step"], phases
 
 
 def _latest(values: dict[int, float | None], what: str) -> tuple[float | None, str]:
@@ -90,13 +82,13 @@ def measure(restart: Restart, ranks: dict[int, RankReport], back: list[dict], en
         t, note = _latest({r: rec.get(key) for r, rec in records.items()}, key.replace("_", " "))
         bounds.append(t)
         notes.append(note + worker_note if note else "")
-    spans = {r: restore_span(rep.log) for r, rep in ranks.items()}
+    spans = {r: restore_span(rep.restores) for r, rep in ranks.items()}
     restored = {s[2] for s in spans.values() if s}
     for i, what in ((0, "restore start"), (1, "restore end")):
         t, note = _latest({r: s[i] if s else None for r, s in spans.items()}, what)
         bounds.append(t)
-        notes.append(note + " (no snapshot restored, or the rank's log has no `restore rank=... seconds=` line: "
-                            "inmem_ft.log_to_stderr())" if note else "")
+        notes.append(note + " (no snapshot restored, or no restore event reached the node's events file: "
+                            "$INMEM_FT_EVENTS, which `inmem-ft run` sets)" if note else "")
     restored_step = max(restored) if len(restored) == 1 else None
     back_at, back_note = _back(restart, back, restored_step, bounds[-1], end_note)
     bounds.append(back_at)

@@ -17,6 +17,7 @@ behind the framework's load and the first forward/backward, and the ranks vote o
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import device
+from .. import device, events
 from ..errors import (InmemFTError, LayoutChanged, LayoutMismatch, SMPUnavailable, SnapshotCorrupt, SnapshotLost,
                       UnknownFormat)
 from ..smp.segments import path_of
@@ -332,10 +333,10 @@ class Restorer:
                 later.start()
             else:
                 snap.after_load(later.start)
-        log.log(logging.WARNING if self._summary else logging.INFO,
-                "restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, step,
-                 candidate.source, info.seconds, nbytes,
-                 " ".join(f"{k}_s={v:.3f}" for k, v in info.phases.items()))
+        events.emit(events.Source("rank", snap.config.node, snap.rank), "restore", "restore",
+                    say=functools.partial(log.log, logging.WARNING if self._summary else logging.INFO), step=step,
+                    source=candidate.source, seconds=info.seconds, bytes=nbytes,
+                    **{f"{k}_s": v for k, v in info.phases.items()})
         return state
 
 

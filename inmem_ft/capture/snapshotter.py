@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import device
+from .. import device, events
 from ..config import SnapshotConfig
 from ..errors import BudgetExceeded, InmemFTError, ReplicasDisagree, RestoredStateBad
 from ..smp.client import SMPClient
@@ -623,8 +623,9 @@ class Snapshotter:
                 f"inmem_ft: the state restored from step {before} and then the one from step {restored} both went "
                 f"bad ({why}): the job stops instead of walking back further; look for bad data or a bad host, then "
                 f"restart it (both steps stay marked bad: `inmem-ft smp status`)", restored, fatal=True)
-        log.error("restore rank=%d step=%d event=sentinel_trip reason=%s: step %d is marked bad and never restored "
-                  "again; restart the job to resume from an older step", self.rank, restored, why, restored)
+        events.emit(events.Source("rank", self.config.node, self.rank), "restore", "sentinel_trip", say=log.error,
+                    step=restored, reason=why, text=f"step {restored} is marked bad and never restored again; restart "
+                                                    f"the job to resume from an older step")
         raise RestoredStateBad(f"inmem_ft: {why}: step {restored} is marked bad on every SMP and will not be "
                                f"restored again; restart the job and it resumes from the newest older good step",
                                restored)

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .. import events
 from ..ec.stripes import StripeLayout, stripe_parity
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
 from . import nodedata, paritystore, rebuild, transport
@@ -193,7 +194,7 @@ class Protector:
                     return
                 step, why, epoch = self.wanted, self.why, self._epoch
             if why != "complete":
-                log.info("ec node=%d event=protect step=%d reason=%s", self.node, step, why)
+                events.emit(events.Source("smp", self.node), "ec", "protect", say=log.info, step=step, reason=why)
             self._protect_retrying(step, PEER_FAILED_GRACE_S if why != "complete" else 0.0, epoch)
 
     def _protect_retrying(self, step: int, peer_failed_grace_s: float, epoch: int) -> None:
@@ -231,9 +232,9 @@ class Protector:
             log.info("ec node=%d event=protect_stopped step=%d reason=%s: the SMP is stopping; the step is not "
                      "protected", self.node, step, error)
             return
-        log.warning("ec node=%d event=protect_failed step=%d reason=%s%s: the step is not protected; the group "
-                    "keeps the parity of the older protected step", self.node, step, error,
-                    f" (not retried: {superseded})" if superseded else "")
+        events.emit(events.Source("smp", self.node), "ec", "protect_failed", say=log.warning, step=step,
+                    reason=f"{error}" + (f" (not retried: {superseded})" if superseded else ""),
+                    text="the step is not protected; the group keeps the parity of the older protected step")
 
     def _superseded(self, step: int, epoch: int) -> str | None:
         """Why protecting `step`, begun in `epoch`, is moot now, if it is."""
@@ -277,8 +278,8 @@ class Protector:
             for old in [s for s in self.sets if s < step]:
                 self.sets.pop(old).drop()
             self.smp.release_moved(step)
-        log.info("ec node=%d event=protected step=%d parity_bytes=%d encode_s=%.3f lag_s=%s", self.node, step,
-                 self.groups.m * cs, time.perf_counter() - t0, self.lag_s)
+        events.emit(events.Source("smp", self.node), "ec", "protected", say=log.info, step=step,
+                    parity_bytes=self.groups.m * cs, encode_s=time.perf_counter() - t0, lag_s=self.lag_s)
 
     def _encode(self, step: int, cs: int, group: dict) -> ParitySet:
         """This node's parity chunks of `step`, pulled and encoded into a new parity set, sealed built."""
@@ -405,7 +406,7 @@ class Protector:
                 self._rebuild(was)
         except (InmemFTError, ValueError, OSError) as e:
             self.rebuild_error = str(e)
-            log.error("ec node=%d event=rebuild_failed reason=%s", self.node, e)
+            events.emit(events.Source("smp", self.node), "ec", "rebuild_failed", say=log.error, reason=f"{e}")
         finally:
             with self.smp.lock:
                 self.rebuild_done.set()

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm import tqdm
 
+from .. import events
 from ..errors import InmemFTError, SnapshotCorrupt, SnapshotLost
 from ..smp import paths
 from ..smp.segments import read_record, unlink, write_record
@@ -165,9 +166,9 @@ class Rebuild:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        log.info("ec node=%d event=%s step=%d lost=%s bytes=%d piece=%d from=%d", self.p.node,
-                 "rebuild_resume" if self.resume_at else "rebuild_start", self.step, self.lost, self.length,
-                 self.piece, self.resume_at)
+        events.emit(events.Source("smp", self.p.node), "ec", "rebuild_resume" if self.resume_at else "rebuild_start",
+                    say=log.info, step=self.step, lost=self.lost, bytes=self.length, piece=self.piece,
+                    **{"from": self.resume_at})
         survivors = [n for n in self.p.members if n not in self.lost]
         spare = len(survivors) > self.layout.k  # a choice of blocks: one survivor can be left out
         with ThreadPoolExecutor(self.layout.k, thread_name_prefix="inmem_ft-ec-rebuild") as pool:
@@ -192,8 +193,8 @@ class Rebuild:
                         self.p.node, exclude[0], self.step, exclude[0])
         with self.smp.lock:
             self.p.sets[self.step], self.p.protected = ps, self.step
-        log.info("ec node=%d event=rebuilt step=%d ranks=%s bytes=%d seconds=%.3f", self.p.node, self.step,
-                 sorted(ranks), self.length, time.perf_counter() - t0)
+        events.emit(events.Source("smp", self.p.node), "ec", "rebuilt", say=log.info, step=self.step,
+                    ranks=sorted(ranks), bytes=self.length, seconds=time.perf_counter() - t0)
 
     def _attempt(self, reader: StripeReader, exclude, done: int) -> tuple[list[int], ParitySet]:
         """Decode, write and verify every slot and the parity once, going on from byte `done` of the stream

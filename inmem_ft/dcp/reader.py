@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .. import events
 from ..capture.restore import NO_STEP, RestoreInfo
 from ..config import SnapshotConfig
 from ..errors import InmemFTError, StepIncomplete
@@ -137,6 +138,6 @@ class InmemStorageReader(StorageReader):
         where = "parity" if read.get("parity") else "memory"
         self.info = RestoreInfo(src.step, f"dcp-{where}", time.perf_counter() - self._t0, nbytes)
         snap.resumed(self.info)
-        log.warning("restore rank=%d step=%d source=%s seconds=%.3f bytes=%d %s", snap.rank, src.step,
-                    self.info.source, self.info.seconds, nbytes,
-                    " ".join(f"bytes_{k}={v}" for k, v in sorted(read.items())))
+        events.emit(events.Source("rank", snap.config.node, snap.rank), "restore", "restore", say=log.warning,
+                    step=src.step, source=self.info.source, seconds=self.info.seconds, bytes=nbytes,
+                    **{f"bytes_{k}": v for k, v in sorted(read.items())})

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-from .. import telemetry
+from .. import events, telemetry
 from ..agent import hangs
 from ..cluster.options import ECOptions
 from ..errors import ConfigError
@@ -113,7 +113,7 @@ class NodeAgent:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen([*command, "--work-dir", self.work_dir, "--", *argv], env=env, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.lines = telemetry.Tail(self.log)
+        self.events = events.Reader(os.path.join(self.work_dir, events.FILE))  # its own, its SMP's, its ranks'
         self.reported = 0  # entries of its time_lost.json already taken
         self._pids: tuple[str, dict[int, int]] = ("", {})  # the newest attempt's ranks' pids, as found so far
 
@@ -195,6 +195,7 @@ class Supervisor:
         smp_args = self.ec.argv() if self.ec else ["--peers", peers]
         # As torchrun does: one intra-op thread per rank unless told otherwise; ranks share the cores.
         self.env = {"OMP_NUM_THREADS": "1", **os.environ, **env, telemetry.LOSS_LOG: self.loss_log}
+        self.env.pop(events.EVENTS, None)  # each agent's in its work dir, where NodeAgent reads it
         self._store = None
         self._command = ["--nnodes", str(nodes), "--nproc-per-node", str(ranks_per_node), "--rdzv-backend", "c10d",
                          "--rdzv-id", self.job, "--max-restarts", str(max_restarts), "--monitor-interval", str(POLL_S),
@@ -212,8 +213,7 @@ class Supervisor:
         self._injected: list[tuple[float, str, str]] = []  # (time.time(), what, kind): injected, not recovered yet
         self._detected_by: int | None = None  # the node whose agent noticed the failure being recovered first
         self._protected_then: int | None = None  # with erasure coding: the step protected on every node then
-        self._smp_logs = {n: telemetry.Tail(paths.default_log(self.job, n), from_end=True) for n in range(nodes)}
-        self._rebuild_logs: dict[int, telemetry.Tail] = {}  # replaced node -> its new SMP's lines
+        self._replaced: set[int] = set()  # nodes whose SMP started empty in a replacement (it rebuilds)
         self._protecting: dict[int, set[int]] = {}  # step -> nodes that logged it protected, until all have
         self._protect_reasons: dict[int, str] = {}  # step -> why a node protected it other than on `complete`
         self.protected: tuple[int, float] | None = None  # (step, timeline time) it was protected on every node
@@ -259,12 +259,13 @@ class Supervisor:
         while True:
             beats = self._beats()
             self._inject(beats)  # first: a fast trainer is steps further by the end of a poll
-            self._note_agents(beats)
+            new = {node: agent.events.records() for node, agent in self.agents.items()}
+            self._note_agents(beats, new)
             self._note_restore(beats)
             self._note_snapshots(beats)
             self._note_recovery()
-            self._note_rebuilds()
-            self._note_protection()
+            self._note_rebuilds(new)
+            self._note_protection(new)
             if self._landed_after_the_end():
                 return
             codes = {n: a.proc.poll() for n, a in self.agents.items()}
@@ -327,31 +328,28 @@ class Supervisor:
                 hangs.kill(pid)
             time.sleep(0.01)
         inventory.remove(self.job, node)
-        self._rebuild_logs[node] = telemetry.Tail(paths.default_log(self.job, node), from_end=True)
+        self._replaced.add(node)
         self._start_agent(node)
         self.event("replace", f"node {node}: a replacement agent started under the lost node's id; its SMP "
                               f"starts empty")
 
     # ---- what the agents report ---------------------------------------------------------------------------
-    _FAILURE = re.compile(r'\[inmem_ft\] agent node=(\d+) event=failure_detected failure="(.*)"$')
-    _STANDBYS_OFF = re.compile(r'\[inmem_ft\] agent node=(\d+) event=standbys_off: (.*)$')
-
-    def _note_agents(self, beats: dict) -> None:
+    def _note_agents(self, beats: dict, new: dict[int, list[dict]]) -> None:
         """A failure an agent detected: the first agent to notice one speaks for the restart that follows."""
-        for agent in self.agents.values():
-            for line in agent.lines.lines():
-                off = self._STANDBYS_OFF.search(line)
-                if off:
-                    self.event("standby", f"node {agent.node}'s agent: standbys off: {off.group(2)}")
-                m = self._FAILURE.search(line)
-                if not m or self._detected_by is not None:
+        for node, records in new.items():
+            for r in records:
+                if r["source"]["role"] != "agent":
                     continue
-                self._detected_by, self._restored_seen = agent.node, False
+                if r["event"] == "standbys_off":
+                    self.event("standby", f"node {node}'s agent: standbys off{r['text']}")
+                if r["event"] != "failure_detected" or self._detected_by is not None:
+                    continue
+                self._detected_by, self._restored_seen = node, False
                 self._gone |= {b["pid"] for b in beats.values()}  # every rank restarts
                 self._protected_then = self.protected[0] if self.protected else None
                 self._generation += 1
                 reached = max((r["step"] for r in telemetry.Tail(self.loss_log).records()), default=None)
-                self.event("detected", f"node {agent.node}'s agent: {m.group(2)}; every rank restarts"
+                self.event("detected", f"node {node}'s agent: {r['fields']['failure']}; every rank restarts"
                                        f"{self._protection_now()}", reached)
 
     def _note_recovery(self) -> None:
@@ -408,41 +406,36 @@ class Supervisor:
                         self.event("snapshot", f"step {key[1]}: training blocked {max(stalls.values()) * 1e3:.1f} "
                                                f"ms (slowest rank)", key[1])
 
-    _REBUILD = re.compile(r"event=(rebuild_start|rebuilt|rebuild_failed) (.*)$")
+    _REBUILDS = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt", "rebuild_failed": "rebuild FAILED"}
 
-    def _note_rebuilds(self) -> None:
-        """A replacement SMP's rebuild, as its log reports it."""
-        for node, tail in self._rebuild_logs.items():
-            for line in tail.lines():
-                m = self._REBUILD.search(line)
-                if m:
-                    what = {"rebuild_start": "rebuilding", "rebuilt": "rebuilt",
-                            "rebuild_failed": "rebuild FAILED"}[m.group(1)]
-                    self.event("rebuild", f"node {node} {what} from its EC group: {m.group(2)}")
+    def _note_rebuilds(self, new: dict[int, list[dict]]) -> None:
+        """A replacement SMP's rebuild, as it reports it."""
+        for node in self._replaced:
+            for r in new.get(node, []):
+                what = self._REBUILDS.get(r["event"]) if r["source"]["role"] == "smp" else None
+                if what:
+                    self.event("rebuild", f"node {node} {what} from its EC group: {events.details(r)}")
 
-    _PROTECT = re.compile(r"ec node=(\d+) event=(protected|protect_failed|protect) step=(\d+)\b(?:.*? reason=(.*))?")
-
-    def _note_protection(self) -> None:
-        """Which step is protected from when: once every node's SMP logged it protected (each holds its parity),
+    def _note_protection(self, new: dict[int, list[dict]]) -> None:
+        """Which step is protected from when: once every node's SMP said it protected (each holds its parity),
         a node lost from then on is rebuilt at that step. A node that failed to protect one says why."""
         if self.ec is None:
             return
-        for node, tail in self._smp_logs.items():
-            for line in tail.lines():
-                m = self._PROTECT.search(line)
-                if not m:
+        for node, records in new.items():
+            for r in records:
+                what = r["event"]
+                if r["source"]["role"] != "smp" or what not in ("protected", "protect_failed", "protect"):
                     continue
-                what, step, reason = m.group(2), int(m.group(3)), m.group(4) or ""
+                step, reason = r["fields"]["step"], r["fields"].get("reason", "")
                 if what == "protect":  # not on a `complete`: the job resumed from it, or an SMP restarted
                     self._protect_reasons[step] = reason
                 elif what == "protect_failed":
                     self._protecting.pop(step, None)
-                    reason = reason.split(": the step is not protected")[0]
                     self.event("ec failed", f"node {node}: protecting step {step} failed ({reason}); a node lost "
                                             f"now is rebuilt at an older step, if any", step)
                 else:
                     nodes = self._protecting.setdefault(step, set())
-                    nodes.add(int(m.group(1)))
+                    nodes.add(r["source"]["node"])
                     if len(nodes) == self.nodes:
                         del self._protecting[step]
                         why = self._protect_reasons.pop(step, "")

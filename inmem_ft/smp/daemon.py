@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 
+from .. import events
 from ..errors import ConfigError, ForeignSegment, InmemFTError, SnapshotCorrupt, SnapshotLost, UnknownFormat
 from ..snapshot import segment as seg
 from ..snapshot.checksum import checksum
@@ -668,8 +669,8 @@ class SMP:
             self.peers.start()
         if self.protector is not None:
             self.protector.start()
-        log.info("smp node=%d event=ready job=%s socket=%s budget=%d pid=%d", self.node, self.job,
-                 self.socket_path, self.budget, os.getpid())
+        events.emit(events.Source("smp", self.node), "smp", "ready", say=log.info, job=self.job,
+                    socket=self.socket_path, budget=self.budget, pid=os.getpid())
         try:
             self.server.serve_forever(poll_interval=0.2)
         finally:
@@ -685,7 +686,7 @@ class SMP:
                 self.node_lock.release()  # before the socket goes: `smp stop` returns once it is gone
             if os.path.exists(self.socket_path):
                 os.unlink(self.socket_path)
-            log.info("smp node=%d event=stopped", self.node)
+            events.emit(events.Source("smp", self.node), "smp", "stopped", say=log.info)
 
 
 def read_complete(job: str, node: int) -> int | None:

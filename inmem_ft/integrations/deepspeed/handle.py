@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
+from ... import events
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.events import Unreported
 from ...capture.restore import RestoreInfo
@@ -273,12 +274,13 @@ class Handle:
 
     def _finish(self, restored: Restored, t0: float) -> Restored:
         restored.seconds = time.perf_counter() - t0
-        layouts = f"from={restored.resharded['from']} to={restored.resharded['to']} " if restored.resharded else ""
+        resharded = restored.resharded or {}
+        layouts = {k: resharded[k] for k in ("from", "to") if k in resharded}
         # WARNING: the one line per rank that says where training resumed from, shown with no logging set up.
-        log.warning("restore rank=%d step=%d source=%s %sseconds=%.3f %s", self.rank, restored.step,
-                 restored.tier, layouts, restored.seconds,
-                 " ".join([f"{k}_s={v:.3f}" for k, v in restored.phases.items()] +
-                          [f"{k}={v}" for k, v in (restored.resharded or {}).items() if k.startswith("bytes")]))
+        events.emit(events.Source("rank", self.snap.config.node, self.rank), "restore", "restore", say=log.warning,
+                    step=restored.step, source=str(restored.tier), **layouts, seconds=restored.seconds,
+                    **{f"{k}_s": v for k, v in restored.phases.items()},
+                    **{k: v for k, v in resharded.items() if k.startswith("bytes")})
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:

@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from ... import events
 from ...deprecation import Tier
 from .args import add_args, block_from_args
 
@@ -111,6 +112,7 @@ class Handle:
         patch.fence_before_step(optimizer, self._fence)
         resharded = self.manager.resharded
         served = self.manager.release()
+        by = events.Source("rank", self.snap.config.node, self.snap.rank)
         if served and resharded is not None:
             rs, seconds = resharded.rs, time.perf_counter() - self.manager.restore_t0
             info = rs.describe()
@@ -118,10 +120,10 @@ class Handle:
             self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None,
                                           dict(rs.seconds)))
             self.restored = Restored(rs.step, Tier(MEMORY_RESHARDED), seconds, {**self._setup_s, **rs.seconds})
-            log.warning("restore rank=%d step=%d source=%s from=%s to=%s seconds=%.3f %s", self.snap.rank, rs.step,
-                     MEMORY_RESHARDED, info["from"], info["to"], seconds,
-                     " ".join([f"{k}_s={v:.3f}" for k, v in rs.seconds.items()] +
-                              [f"{k}={v}" for k, v in info.items() if k.startswith("bytes")]))
+            events.emit(by, "restore", "restore", say=log.warning, step=rs.step, source=MEMORY_RESHARDED,
+                        **{"from": info["from"], "to": info["to"]}, seconds=seconds,
+                        **{f"{k}_s": v for k, v in rs.seconds.items()},
+                        **{k: v for k, v in info.items() if k.startswith("bytes")})
         elif served:
             info = self.snap.last_restore
             seconds = time.perf_counter() - self.manager.restore_t0
@@ -129,8 +131,8 @@ class Handle:
             # to_state_dict, the model's and optimizer's load_state_dict) and the step fix above.
             phases = {**self._setup_s, **info.phases, "megatron_load": round(seconds - info.seconds, 4)}
             self.restored = Restored(info.step, Tier(info.source), seconds, phases)
-            log.warning("restore rank=%d step=%d source=%s seconds=%.3f %s", self.snap.rank, info.step,
-                     info.source, seconds, " ".join(f"{k}_s={v:.3f}" for k, v in phases.items()))
+            events.emit(by, "restore", "restore", say=log.warning, step=info.step, source=info.source,
+                        seconds=seconds, **{f"{k}_s": v for k, v in phases.items()})
         elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
             log.warning("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank,
                         iteration)
