@@ -280,23 +280,24 @@ def test_torchruns_static_rendezvous_with_restarts_is_refused_up_front(runtime):
 
 
 def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, monkeypatch):
-    """The hand-over torch's SubprocessHandler gets from agent/standbys.py: torchrun's worker command runs in the
+    """The hand-over torch's SubprocessHandler gets from agent/handover.py: torchrun's worker command runs in the
     standby with exactly the given environment, its stdout and stderr into torch's files; any other command is
     left to a cold start and leaves the standby waiting."""
+    from inmem_ft.agent.handover import standby_command
     from inmem_ft.agent.standbys import StandbyPool
 
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('out', os.environ['RANK'], sys.argv[1:])\nprint('err', file=sys.stderr)\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)
-    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda line: None)
+    pool = StandbyPool(str(tmp_path / "standbys"), count=1)
     try:
         assert pool.refill([str(tmp_path / "no-rank-yet.json")]) == 1
-        assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1
+        assert standby_command(["/bin/sh", "-c", "true"]) is None and pool.available()
         out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "RANK": "3"}
-        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--", str(script), "a"], env,
-                              str(out), str(err))
-        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.waiting
+        command = standby_command([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--", str(script), "a"])
+        proc = pool.hand_over(command, env, str(out), str(err))
+        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.available()
         assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"
     finally:
         pool.stop()

@@ -1,4 +1,4 @@
-"""Warm standbys (inmem_ft/launcher/standby.py, worker.py): a rank handed to a standby runs its command as a
+"""Warm standbys (inmem_ft/agent/standbys.py, zygote.py, worker.py): a rank handed to a standby runs its command as a
 cold `python ...` would, a job restarted on standbys resumes bit-identically, and a command whose imports must
 follow its own code turns them off instead of failing."""
 import json
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from inmem_ft.launcher.simulated import SimulatedCluster
-from inmem_ft.launcher.standby import StandbyPool
+from inmem_ft.agent.standbys import StandbyPool
 from inmem_ft.telemetry import read_losses, write_record
 
 SCRIPT = """
@@ -38,11 +38,12 @@ def test_a_standby_runs_a_script_as_a_cold_python_does(runtime):
                           stdin=subprocess.DEVNULL)
     previous = tmp_path / "previous.json"
     write_record(str(previous), {"modules": ["colorsys", "no_such_module_anywhere"], "argv": [str(script), "a", "--b"]})
-    pool = StandbyPool(str(tmp_path))
-    pool.start((0, 0), {**env, "ONLY_AT_SPAWN": "1", "X": "spawn"}, str(previous))
+    pool = StandbyPool(str(tmp_path), logs=True)
+    pool.start({**env, "ONLY_AT_SPAWN": "1", "X": "spawn"}, str(previous), (0, 0))
     try:
         wait_ready(pool, [(0, 0)])
-        proc = pool.hand_over((0, 0), [str(script), "a", "--b"], env, str(tmp_path / "rank.log"))
+        proc = pool.hand_over([str(script), "a", "--b"], env, str(tmp_path / "rank.log"), str(tmp_path / "rank.log"),
+                              slot=(0, 0))
         assert proc is not None and proc.wait(timeout=120) == cold.returncode == 7
     finally:
         pool.stop()

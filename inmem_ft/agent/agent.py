@@ -1,6 +1,6 @@
 """torch's elastic agent (what torchrun runs), with what inmem_ft adds on each node: the node's SMP for the length
 of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), warm
-standby processes the restarted ranks start on (standbys.py), and the time each failure costs (clock.py).
+standby processes the restarted ranks start on (standbys.py, handover.py), and the time each failure costs (clock.py).
 Restarts are torch's own: every local rank stops, the agents rendezvous again, every rank starts anew (on a
 standby where one waits) and restores from the SMPs.
 """
@@ -23,7 +23,8 @@ from .worker import RECORD_DIR
 from . import hangs, lines, rendezvous
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
-from .standbys import StandbyPool, from_standbys, onto
+from .handover import from_standbys, onto
+from .standbys import StandbyPool
 
 KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
 
@@ -54,7 +55,7 @@ class InmemAgent(LocalElasticAgent):
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
-        self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
+        self.standbys = StandbyPool(os.path.join(options.work_dir, "standbys"), count, self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
 
     def say(self, text: str) -> None:
@@ -70,6 +71,8 @@ class InmemAgent(LocalElasticAgent):
         self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
                            "INMEM_FT_SMP_SOCKET": self.opts.socket})
+        if self.standbys:  # the zygote imports torch while the agents rendezvous and the first ranks start
+            self.standbys.start_zygote(dict(os.environ))
         result, signalled = None, False
         try:
             result = super().run(*args, **kwargs)
@@ -115,9 +118,11 @@ class InmemAgent(LocalElasticAgent):
         self._say_started(worker_group)
         self._alive_at = None
         logs = self._pcontext.stderrs
-        self.clock.launched(self._attempt, launched_at, {
-            w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
-            for w in worker_group.workers})
+        records = {w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
+                   for w in worker_group.workers}
+        self.clock.launched(self._attempt, launched_at, records)
+        if self.standbys:  # the zygote imports what a rank imports as the rank does
+            self.standbys.follow(records[min(records)][0])
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
@@ -162,7 +167,7 @@ class InmemAgent(LocalElasticAgent):
     # ---- warm standbys -----------------------------------------------------------------------------------
     def _onto_standbys(self):
         """The ranks start on standbys (those there are; the rest cold, as torch starts them)."""
-        if not self.standbys or not self.standbys.waiting:
+        if not self.standbys or not self.standbys.available():
             return contextlib.nullcontext()
         return onto(self.standbys)
 
@@ -188,11 +193,14 @@ class InmemAgent(LocalElasticAgent):
                  f"cold={len(worker_group.workers) - warm}")
 
     def _refill_standbys(self, worker_group, beats: dict[int, dict]) -> None:
-        """Once every local rank beats and no restart is being timed (training runs), top the standbys up; each
-        preloads what one of the running ranks imported (its worker record)."""
+        """Top the standbys up, each preloading what one of the running ranks imported (its worker record): first
+        once every local rank beats and no restart is being timed (training runs: what it imports is known, and
+        imports do not compete with a start or a restore for the cores); after a restart used some, at once where
+        they are the zygote's forks (a second failure finds them warm, and a fork costs milliseconds)."""
         if not self.standbys:
             return
-        if len(beats) == len(worker_group.workers) and not self.clock.pending:
+        if (self.standbys.forks and self.standbys.handed) or (len(beats) == len(worker_group.workers)
+                                                              and not self.clock.pending):
             attempt_dir = os.path.join(self.opts.work_dir, f"attempt{self._attempt}")
             self.standbys.refill([os.path.join(attempt_dir, f"rank{w.global_rank}.json")
                                   for w in worker_group.workers])
