@@ -6,7 +6,7 @@ one, which adopts the snapshots, and restarts the ranks), a rank killed early (a
 the standbys are ready: no cold start where the zygote forks them), and a second kill 10 s after the first
 (the restart used the standbys up: forks replace them at once).
 
-    python benchmarks/time_lost.py [--repeat N] [--cases A,B] [--hang-timeout S] [--json OUT] [--plot PNG]
+    python benchmarks/time_lost.py [--repeat N] [--cases "A;B"] [--hang-timeout S] [--json OUT] [--plot PNG]
 
 The demo model (the DeepSpeed GPT example, ZeRO-2, CPU, a snapshot every 5 steps) runs on 2 nodes x 2 ranks
 submitted with `sbatch launch_scripts/slurm_inmem.sbatch` to a real SLURM started on this machine
@@ -266,6 +266,22 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
+def goals(cases: dict, hang_goal: float) -> dict:
+    """Each goal of the cases measured: a warm rank kill <= 3 s, a hang <= its timeout + 3 s, and an early or a
+    second kill <= 2x the warm rank kill (issue 42: no cold start)."""
+    out = {}
+    if "agent" in cases:
+        warm = cases["agent"]["lost_s"]
+        out.update(rank_kill_s=3.0, rank_kill_met=warm <= 3.0)
+        for case in ("agent, early kill", "agent, second kill 10 s later"):
+            if case in cases:
+                out[f"{case}: x warm"] = round(cases[case]["lost_s"] / warm, 2)
+                out[f"{case}: <= 2x met"] = cases[case]["lost_s"] <= 2 * warm
+    if "agent, hang" in cases:
+        out.update(hang_s=hang_goal, hang_met=cases["agent, hang"]["lost_s"] <= hang_goal)
+    return out
+
+
 def plot(results: dict, path: str) -> None:
     """Each case's runs and median (time lost from the signal, per the loss log), and the agent's split of each
     of its cases (medians) as stacked bars."""
@@ -300,12 +316,12 @@ def plot(results: dict, path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=3, help="runs per case, alternating (default: 3)")
-    p.add_argument("--cases", default=",".join(CASES), help=f"which, comma-separated (default: all: {','.join(CASES)})")
+    p.add_argument("--cases", default=";".join(CASES), help=f"which, separated by ; (default: all: {'; '.join(CASES)})")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="the agent's hang timeout, s (default: 5)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="draw a PNG of the results here")
     args = p.parse_args()
-    chosen = [c.strip() for c in args.cases.split(",")]
+    chosen = [c.strip() for c in args.cases.split(";")]
     if any(c not in CASES for c in chosen):
         p.error(f"--cases {args.cases}: expected some of {', '.join(CASES)}")
     why = unavailable()
@@ -327,16 +343,14 @@ def main() -> int:
                "model": "deepspeed_gpt ZeRO-2 (2 layers, hidden 64), CPU", "nodes": 2, "ranks_per_node": 2,
                "interval": INTERVAL, "victim_rank": VICTIM, "hang_timeout_s": args.hang_timeout,
                "repeat": args.repeat, "machine": report.machine(), "runs": runs, "cases": cases,
-               # The planner reads the warm-standby restart's detection from here (inmem_ft/planning/inputs.py).
-               "standby": cases["agent"],
-               "goals": {"rank_kill_s": 3.0, "rank_kill_met": cases["agent"]["lost_s"] <= 3.0,
-                         "hang_s": hang_goal, "hang_met": cases["agent, hang"]["lost_s"] <= hang_goal}}
+               "goals": goals(cases, hang_goal)}
+    if "agent" in cases:  # the planner reads the warm-standby restart's detection from here (planning/inputs.py)
+        results["standby"] = cases["agent"]
     print(f"s lost per failure, from the signal to the step reached (medians of {args.repeat}; {results['launcher']}):")
     for case, s in cases.items():
         print(f"  {case:<20} {s['lost_s']:6.2f}" + (f"   agent's split: " + ", ".join(
             f"{k} {v:.3f}" for k, v in s["parts"].items() if v is not None) if s.get("parts") else ""))
-    print(f"goals: rank kill <= 3 s: {results['goals']['rank_kill_met']}; hang <= {hang_goal:g} s: "
-          f"{results['goals']['hang_met']}; {results['machine']}")
+    print(f"goals: {results['goals']}; {results['machine']}")
     report.write(results, args.json, plot, args.plot)
     return 0
 

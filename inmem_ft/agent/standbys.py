@@ -253,8 +253,7 @@ class StandbyPool:
         for _ in range(new):
             self.start(dict(os.environ), records[self.started % len(records)])
         self._said_ready = False
-        self.say(f"event=standbys_started count={new} waiting={len(self.waiting)}"
-                 + (" forked=1" if self.zygotes and self.forks else ""))
+        self.say(f"event=standbys_started count={new} waiting={len(self.waiting)}")
         return new
 
     # ---- state ------------------------------------------------------------------------------------------
