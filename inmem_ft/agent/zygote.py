@@ -29,18 +29,33 @@ from . import worker
 
 FIRST = ["torch", "torch.distributed"]  # what every rank imports (worker.time_rendezvous needs torch.distributed)
 FDS = 2  # with each request: the standby's stdin, its output
+# Threads a fork may leave behind: jemalloc's background purger (pyarrow loads jemalloc) is stopped and restarted
+# around a fork by jemalloc's own pthread_atfork handlers, and holds no lock of anyone else.
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
 
 
 def unforkable() -> str | None:
     """Why this process must not fork a standby now; None if it may."""
-    threads = len(os.listdir("/proc/self/task"))
-    if threads > 1:
-        return (f"the zygote runs {threads} threads after importing the ranks' modules (a fork copies only one): "
-                "standbys are spawned instead")
+    others = [name for name in map(_thread_name, _other_threads()) if name not in FORK_SAFE_THREADS]
+    if others:
+        return (f"the zygote runs {len(others)} more threads ({', '.join(sorted(set(others)))}) after importing the "
+                "ranks' modules (a fork copies only one): standbys are spawned instead")
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "the zygote's imports initialised CUDA (a fork cannot carry a device context): standbys are spawned"
     return None
+
+
+def _other_threads() -> list[str]:
+    return [t for t in os.listdir("/proc/self/task") if int(t) != os.getpid()]
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # gone meanwhile
+        return next(iter(FORK_SAFE_THREADS))
 
 
 def fork_twice() -> int | None:
