@@ -188,6 +188,42 @@ def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_r
     assert re.search(r"restore rank=1 step=\d+ source=memory", text)
 
 
+@pytest.mark.slow
+def test_a_second_kill_right_after_a_restart_finds_standbys_forked_again_bit_identical(long_reference, tmp_path, job):
+    """The zygote forks the node's standbys; a restart uses both, and forks replace them at once: rank 1 killed
+    again as soon as the first restart's ranks run also restarts on standbys, and every loss is the uninterrupted
+    run's."""
+    cmd, env = agent_command(tmp_path, job, ["--steps", str(LONG)])
+    out = tmp_path / "agent.out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 300
+        while text not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+
+    try:
+        for attempt in (1, 2):
+            wait_for("event=standbys_ready count=2" if attempt == 1 else "event=ranks_started attempt=2")
+            record = tmp_path / "work" / f"attempt{attempt}" / "rank1.json"
+            while "pid" not in (json.loads(record.read_text()) if record.exists() else {}):
+                time.sleep(0.05)
+            os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for seg in names_with_prefix(f"inmemft.{job}."):
+            unlink(seg)
+    text = out.read_text()
+    assert "event=zygote_started" in text and "standbys_spawned" not in text, text
+    assert "event=ranks_started attempt=3 from_standby=2 cold=0" in text, text
+    assert read_losses(tmp_path / "loss.jsonl") == long_reference
+
+
 def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
     """A preemption or scancel: the agent stops its ranks, the SMP gets SIGTERM (it spills), exit 128 + 15."""
     cmd, env = agent_command(tmp_path, job, ["--steps", "100000"], ["--wipe-on-exit", "1"])

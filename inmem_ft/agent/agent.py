@@ -121,8 +121,9 @@ class InmemAgent(LocalElasticAgent):
         records = {w.global_rank: (os.path.join(attempt_dir, f"rank{w.global_rank}.json"), logs.get(w.local_rank, ""))
                    for w in worker_group.workers}
         self.clock.launched(self._attempt, launched_at, records)
-        if self.standbys:  # the zygote imports what a rank imports as the rank does
+        if self.standbys:  # the zygote imports what a rank imports as the rank does; forks replace those used
             self.standbys.follow(records[min(records)][0])
+            self._refill_standbys(worker_group, {})
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
