@@ -18,7 +18,7 @@ from inmem_ft.agent import hangs
 from inmem_ft.errors import STOP_EXIT
 from inmem_ft.examples.corrupt import CORRUPT_AT
 from inmem_ft.smp.segments import names_with_prefix, unlink
-from inmem_ft.telemetry import read_losses
+from inmem_ft.telemetry import read_losses, read_record
 
 STEPS, INTERVAL, FAIL_AT = 12, 3, 7  # the restart resumes from the snapshot of step 6
 LONG = 1500  # steps of a run killed from outside once its standbys are ready
@@ -147,30 +147,37 @@ def long_reference(tmp_path_factory):
     return read_losses(tmp / "loss.jsonl")
 
 
-@pytest.mark.slow
-def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_reference, tmp_path, job):
-    """Once the node's standbys have imported what the ranks did, kill -9 rank 1: both local ranks restart on
-    standbys (torchrun's environment and log files, torch's restart count), resume from the SMP, and every loss
-    is the uninterrupted run's."""
+def killed_under_agent(tmp_path, job, kills: list[tuple[str, int]]) -> str:
+    """The agent runs the long example; for each (line, attempt) of `kills`, once `line` is in its output, rank 1
+    of that attempt gets kill -9. The agent must then finish the job; returns its output."""
     cmd, env = agent_command(tmp_path, job, ["--steps", str(LONG)])
     out = tmp_path / "agent.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while "event=standbys_ready count=2" not in out.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.1)
-        victim = json.loads((tmp_path / "work" / "attempt1" / "rank1.json").read_text())["pid"]
-        os.kill(victim, signal.SIGKILL)
+        for line, attempt in kills:
+            deadline = time.monotonic() + 300
+            record = tmp_path / "work" / f"attempt{attempt}" / "rank1.json"
+            while line not in out.read_text() or "pid" not in (read_record(str(record)) or {}):
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.05)
+            os.kill(read_record(str(record))["pid"], signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, out.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for seg in names_with_prefix(f"inmemft.{job}."):
             unlink(seg)
-    text = out.read_text()
+    return out.read_text()
+
+
+@pytest.mark.slow
+def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_reference, tmp_path, job):
+    """Once the node's standbys have imported what the ranks did, kill -9 rank 1: both local ranks restart on
+    standbys (torchrun's environment and log files, torch's restart count), resume from the SMP, and every loss
+    is the uninterrupted run's."""
+    text = killed_under_agent(tmp_path, job, [("event=standbys_ready count=2", 1)])
     assert "event=ranks_started attempt=2 from_standby=2 cold=0" in text, text
     assert read_losses(tmp_path / "loss.jsonl") == long_reference
     [split] = time_lost(tmp_path)
@@ -193,32 +200,8 @@ def test_a_second_kill_right_after_a_restart_finds_standbys_forked_again_bit_ide
     """The zygote forks the node's standbys; a restart uses both, and forks replace them at once: rank 1 killed
     again as soon as the first restart's ranks run also restarts on standbys, and every loss is the uninterrupted
     run's."""
-    cmd, env = agent_command(tmp_path, job, ["--steps", str(LONG)])
-    out = tmp_path / "agent.out"
-    with open(out, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_for(text: str) -> None:
-        deadline = time.monotonic() + 300
-        while text not in out.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.05)
-
-    try:
-        for attempt in (1, 2):
-            wait_for("event=standbys_ready count=2" if attempt == 1 else "event=ranks_started attempt=2")
-            record = tmp_path / "work" / f"attempt{attempt}" / "rank1.json"
-            while "pid" not in (json.loads(record.read_text()) if record.exists() else {}):
-                time.sleep(0.05)
-            os.kill(json.loads(record.read_text())["pid"], signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0, out.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        for seg in names_with_prefix(f"inmemft.{job}."):
-            unlink(seg)
-    text = out.read_text()
+    text = killed_under_agent(tmp_path, job, [("event=standbys_ready count=2", 1),
+                                              ("event=ranks_started attempt=2", 2)])
     assert "event=zygote_started" in text and "standbys_spawned" not in text, text
     assert "event=ranks_started attempt=3 from_standby=2 cold=0" in text, text
     assert read_losses(tmp_path / "loss.jsonl") == long_reference
