@@ -192,7 +192,7 @@ def plan_llama3() -> str:
         f"{persist * p['interval_s'] / 60:.0f} min); all nodes flush in {costs['flush']:.1f} s at "
         f"{inp['cluster']['storage_gbps'] / 1000:g} TB/s;",
         f"- memory per node: {_gib(mem['shm'])} of `/dev/shm` ({_gib(mem['slots'])} of slots + {_gib(mem['parity'])} "
-        f"of parity), `memory_budget` {p['inmem_ft']['memory_budget']}; {_gib(mem['staging'])} of pinned staging.",
+        f"of parity), `memory_budget` {p['inmem_ft']['memory_budget']}; a GPU job locks its {_gib(mem['locked'])} of slots.",
         "", _strategies(p), "", f"Projected on: {where(data)}."]
     return "\n".join(lines)
 

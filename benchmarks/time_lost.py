@@ -9,7 +9,7 @@ the standbys are ready: no cold start where the zygote forks them), and a second
     python benchmarks/time_lost.py [--repeat N] [--cases "A;B"] [--hang-timeout S] [--json OUT] [--plot PNG]
 
 The demo model (the DeepSpeed GPT example, ZeRO-2, CPU, a snapshot every 5 steps) runs on 2 nodes x 2 ranks
-submitted with `sbatch launch_scripts/slurm_inmem.sbatch` to a real SLURM started on this machine
+submitted with `sbatch launch/slurm_inmem.sbatch` to a real SLURM started on this machine
 (tests/slurm_cluster.py: a controller and two slurmd nodes); where SLURM cannot run, 2 nodes of
 `torchrun_inmem.sh` on this machine instead (the result says which). Once training runs (with standbys: once both
 nodes' standbys are ready), rank 3 gets SIGKILL, or SIGSTOP in the hang case, from outside. Every case is
@@ -55,8 +55,8 @@ SECOND_AFTER_S = 10.0
 VICTIM = 3  # on the second node
 INTERVAL = 5
 SBATCH = ["sbatch", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=15", "--parsable"]
-SBATCH_SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "slurm_inmem.sbatch")
-NODE_SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "torchrun_inmem.sh")
+SBATCH_SCRIPT = os.path.join(ROOT, "launch", "slurm_inmem.sbatch")
+NODE_SCRIPT = os.path.join(ROOT, "launch", "torchrun_inmem.sh")
 WAIT_S = 600
 
 

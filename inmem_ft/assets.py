@@ -1,5 +1,7 @@
 """The launch scripts and example configs shipped inside the package, by the names the CLI offers
-(`inmem-ft launch-script`, `inmem-ft example-config`): an installed inmem_ft has no repository beside it."""
+(`inmem-ft launch-script`, `inmem-ft example-config`): an installed inmem_ft has no repository beside it. In the
+repository they live in launch/ and configs/; inmem_ft/launch_scripts and inmem_ft/configs link there, and the
+wheel holds the files themselves at those places (pyproject.toml)."""
 from __future__ import annotations
 
 import os

@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
-from . import argtypes, assets, units
+from . import assets, units
+from .argtypes import Parser, job_id, node_id
 from ._version import __version__
 from .planning import survival
 from .planning import command as plan_command
@@ -22,24 +22,6 @@ from .smp.segments import namespace
 
 # Below this a budget holds the two slots of only a toy model's ranks: worth a warning, not an error.
 SMALL_BUDGET = 1 << 30
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (`inmem-ft smp start: error: ...`), and with values such as -5GiB
-    taken as a value to reject, not as an unknown option."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # argparse's own pattern (private, stable since 3.2) accepts only plain numbers like -5 as values.
-        self._negative_number_matcher = re.compile(r"^-\d")
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-job_id = argtypes.job_id
-# --node: an index from 0 (a negative one would name a socket node-1.sock)
-node_id = argtypes.bounded(int, "node id {text!r} must be an integer >= 0", minimum=0)
 
 
 def _node_args(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import torch
 
@@ -84,7 +85,7 @@ class Registration:
     def release(self) -> None:
         if self.size:
             # Unregistering memory a copy is still using is undefined: callers release after their work ended.
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            _in_own_thread(torch.cuda.cudart().cudaHostUnregister, self.address)
             self.size = 0
 
 
@@ -98,13 +99,34 @@ def register(address: int, size: int) -> Registration | None:
     lo = address // PAGE * PAGE
     hi = -(-(address + size) // PAGE) * PAGE
     cudart = torch.cuda.cudart()
-    rc = cudart.cudaHostRegister(lo, hi - lo, _PORTABLE)
+    rc = _in_own_thread(cudart.cudaHostRegister, lo, hi - lo, _PORTABLE)
     if int(rc) != 0:
         log.warning("device event=register_failed bytes=%d error=%s: copies to and from this slot go through "
                     "pageable memory; raise the locked-memory limit (ulimit -l) for full speed", hi - lo,
                     cudart.cudaGetErrorString(rc))
         return None
     return Registration(lo, hi - lo)
+
+
+def _in_own_thread(call, *args):
+    """call(*args) on a thread that ends after it. A failed CUDA runtime call leaves its error pending in the
+    calling thread (cudaGetLastError returns it until read, and torch's bindings expose no way to read it), and
+    torch's next launch check on that thread would raise it against an unrelated kernel; a thread of its own
+    takes the pending error with it."""
+    out = {}
+
+    def run():
+        try:
+            out["rc"] = call(*args)
+        except BaseException as e:  # raised on the caller's thread below
+            out["error"] = e
+
+    worker = threading.Thread(target=run, name="inmem_ft-host-register")
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["rc"]
 
 
 class Upload:

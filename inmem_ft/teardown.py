@@ -65,15 +65,25 @@ def gloo_threads() -> int:
     return count
 
 
+# How to destroy the groups inmem_ft's layers made, registered by the layer when it makes its first one
+# (capture/agreement.py): this module, which they use to bound their destroys, knows none of them.
+_own_groups: list = []
+
+
+def destroy_first(destroy) -> None:
+    """Have destroy_process_groups call `destroy()` before it destroys the world's group."""
+    if destroy not in _own_groups:
+        _own_groups.append(destroy)
+
+
 def destroy_process_groups() -> None:
     """Destroy inmem_ft's groups and then every group torch knows; local only, never a collective."""
     if "torch.distributed" not in sys.modules:
         return
     import torch.distributed as dist
 
-    from .capture import agreement
-
-    agreement.destroy_all()
+    for destroy in list(_own_groups):
+        destroy()
     if dist.is_available() and dist.is_initialized():
         bounded(dist.destroy_process_group, "the world process group", dist.get_rank())
 

@@ -223,7 +223,8 @@ SCRIPT_EVENT = re.compile(r'\blog "([a-z][a-z_]+)')  # the launch scripts' log()
 def events() -> str:
     """Every `event=NAME` the code logs, with the modules that log it."""
     seen: dict[str, set[str]] = {}
-    for path in sorted((REPO / "inmem_ft").rglob("*")):
+    # The launch scripts live in launch/ (inmem_ft/launch_scripts links there; rglob keeps out of links).
+    for path in sorted([*(REPO / "inmem_ft").rglob("*"), *(REPO / "launch").rglob("*")]):
         if path.suffix not in (".py", ".sh", ".sbatch") or path.name == "envvars.py":
             continue
         text = path.read_text()

@@ -47,7 +47,7 @@ def test_smp_start_without_a_budget_says_where_to_give_one(job, runtime):
 
 
 def test_the_shipped_deepspeed_config_starts_an_smp_as_the_readme_says(job, runtime, monkeypatch):
-    config = os.path.join(ROOT, "inmem_ft", "configs", "deepspeed_zero2.json")
+    config = os.path.join(ROOT, "configs", "deepspeed_zero2.json")
     alone = cli("smp", "start", "--job", job, "--config", config)
     assert alone.returncode == 1 and alone.stderr.count("\n") == 1 and alone.stderr.startswith(
         f"inmem-ft: error: {config} (\"parity\": 1, \"group_size\": 2) asks for erasure coding across nodes: "

@@ -11,7 +11,8 @@ NAME = re.compile(r"\bINMEM_FT_[A-Z0-9_]*[A-Z0-9]")
 
 def used_in_code() -> dict[str, set[str]]:
     used: dict[str, set[str]] = {}
-    for path in PACKAGE.rglob("*"):
+    # The launch scripts live in the repository's launch/ (inmem_ft/launch_scripts links there; rglob skips links).
+    for path in [*PACKAGE.rglob("*"), *(PACKAGE.parent / "launch").rglob("*")]:
         if path.suffix in (".py", ".sh", ".sbatch") and path.name != "envvars.py":
             for name in NAME.findall(path.read_text()):
                 used.setdefault(name, set()).add(str(path.relative_to(PACKAGE.parent)))

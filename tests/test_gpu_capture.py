@@ -77,3 +77,17 @@ def test_many_small_device_tensors_are_gathered_and_restore_onto_the_device_bit_
     snap.wait()
     back = snap.restore(to_device=True)
     assert all(back[k].is_cuda and torch.equal(back[k].cpu(), expected[k]) for k in expected)
+
+
+def test_a_tensor_moved_to_the_device_under_a_reused_layout_is_restored_where_it_now_lives(snap):
+    big = torch.randn(1 << 20)  # large: copied alone, so the move cannot make a batched copy raise
+    snap.save(1, {"w": big, "i": torch.arange(3)})
+    snap.wait()
+    moved = big.cuda()
+    snap.save(2, {"w": moved, "i": torch.arange(3)})  # the plan of step 1 is tried, then refused at commit
+    snap.wait()
+    assert snap.metrics.stale == 1
+    snap.save(3, {"w": moved, "i": torch.arange(3)})  # laid out afresh: its entry says "on cuda"
+    snap.wait()
+    back = snap.restore(to_device=True)
+    assert back["w"].is_cuda and torch.equal(back["w"].cpu(), big)

@@ -1,5 +1,6 @@
 """Issue 26 item 4: the wheel built from this checkout is a working install on its own, away from the
-repository: its version, the `inmem-ft` command, the launch scripts and example configs it prints, py.typed.
+repository: its version, the `inmem-ft` command, the launch scripts and example configs it prints, py.typed
+(the scripts and configs live once, in the repository's launch/ and configs/, linked into the package).
 The wheel is built without build isolation (the venv's setuptools) and installed without dependencies into a
 folder of its own, on the venv's python (whose dependencies it uses), from a directory with no checkout."""
 import os
@@ -36,7 +37,12 @@ def check_install(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    shutil.copytree(os.path.join(ROOT, "inmem_ft"), src / "inmem_ft", ignore=shutil.ignore_patterns("__pycache__"))
+    # The links inside the package (inmem_ft/launch_scripts -> ../launch, inmem_ft/configs -> ../configs) stay
+    # links, so that what is checked is setuptools resolving them into the wheel.
+    for name in ("inmem_ft", "launch", "configs"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    assert (src / "inmem_ft" / "launch_scripts").is_symlink() and (src / "inmem_ft" / "configs").is_symlink()
     run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
         str(src), cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("inmem_ft-*.whl")

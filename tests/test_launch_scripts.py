@@ -20,8 +20,8 @@ from inmem_ft.telemetry import read_losses
 from inmem_ft.smp import control, paths
 from inmem_ft.smp.segments import names_with_prefix, unlink
 
-SCRIPT = os.path.join(ROOT, "inmem_ft", "launch_scripts", "torchrun_inmem.sh")
-SBATCH = os.path.join(ROOT, "inmem_ft", "launch_scripts", "slurm_inmem.sbatch")
+SCRIPT = os.path.join(ROOT, "launch", "torchrun_inmem.sh")
+SBATCH = os.path.join(ROOT, "launch", "slurm_inmem.sbatch")
 BIN = os.path.dirname(sys.executable)  # the venv's python and torchrun
 STEPS, INTERVAL, DIE_AT = 12, 3, 7  # the restarted attempt resumes from the snapshot of step 6
 EXAMPLE = ["-m", "inmem_ft.examples.plain_pytorch", "--steps", str(STEPS), "--interval", str(INTERVAL)]

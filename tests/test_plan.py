@@ -160,7 +160,7 @@ def test_a_loss_during_protection_falls_back_to_the_older_snapshot_and_beyond_m_
 def test_memory_per_node_counts_two_slots_and_two_parity_sets():
     job = Job(bytes_per_rank=1e9, checkpoint_bytes=1e12, step_s=1.0)
     mem = planning.memory(job, Cluster(16, 8), group_size=4, parity=1)
-    assert mem.slots == 2 * 8e9 and mem.parity == pytest.approx(2 * 8e9 / 3) and mem.staging == 8e9
+    assert mem.slots == 2 * 8e9 and mem.parity == pytest.approx(2 * 8e9 / 3) and mem.locked == 2 * 8e9
 
 
 def test_costs_refuse_negative_values():

@@ -1,4 +1,4 @@
-"""Issue 14: inmem_ft/launch_scripts/slurm_inmem.sbatch submitted to a real SLURM (tests/slurm_cluster.py: one controller and
+"""Issue 14: launch/slurm_inmem.sbatch submitted to a real SLURM (tests/slurm_cluster.py: one controller and
 two slurmd "nodes" n0/n1 on this host) exactly as docs/launch.md shows, with the DeepSpeed GPT example on
 2 nodes x 2 ranks, one SMP per node started by the script: a clean run, a rank killed, a lost and
 replaced node, a requeue, a preemption."""
@@ -26,7 +26,7 @@ STAGE, DTYPE = 2, "fp32"
 # The README's command, with the resources of this CPU-only test cluster in place of the #SBATCH defaults.
 SBATCH = ["sbatch", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1"]
 TIME_LIMIT = "--time=8"  # minutes: a hung job fails the test instead of holding the cluster
-SCRIPT = "inmem_ft/launch_scripts/slurm_inmem.sbatch"
+SCRIPT = "launch/slurm_inmem.sbatch"
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ def _made_group(group):
         _made.append(group)
         if not _atexit_registered:
             atexit.register(destroy_all)
+            teardown.destroy_first(destroy_all)  # run_main's exit, before the world's group
             _atexit_registered = True
     return group
 

@@ -5,8 +5,10 @@ Planning reads every tensor's dtype and shape and JSON-encodes a manifest with a
 25 us a tensor, seconds at 10^5 tensors. The training thread's check before reusing a plan is O(1): the
 same number of leaves under the same replicated markers. That is enough to *try* the plan, not to trust
 it: a tensor whose size or device changed makes the batched copy raise (the snapshot is then planned
-afresh on the spot), and before anything is committed the commit thread compares every leaf's dtype and
-shape with the plan; on a mismatch the snapshot is not committed and the next one is planned afresh.
+afresh on the spot), and before anything is committed the commit thread compares every leaf's dtype, shape
+and device kind with the plan (a large tensor is copied alone, so a move between host and device does not
+make a batch raise, but its entry says where a restore puts it back); on a mismatch the snapshot is not
+committed and the next one is planned afresh.
 
 The manifest is encoded on the commit thread, mostly from bytes encoded once per plan: the leaf entries,
 whose checksums are written into their fixed-width places. Its room in the slot is reserved with some
@@ -19,6 +21,7 @@ import json
 import secrets
 from operator import attrgetter
 
+from .. import device
 from ..errors import InmemFTError
 from ..snapshot import layout, segment as seg
 from ..snapshot.checksum import checksum, to_hex
@@ -54,6 +57,7 @@ class PlanCache:
         self._key: tuple | None = None
         self._dtypes: list = []
         self._shapes: list = []
+        self._kinds: list = []
         self._specs: dict = {}  # leaf -> its shard specs, as in the encoded entries
         self._entries = b""  # the manifest's "leaves" list, checksums as placeholders
         self._hashes: list[tuple[int, int, int]] = []  # (place in _entries, data offset, bytes) per own leaf
@@ -72,6 +76,7 @@ class PlanCache:
         plan = layout.plan(flat, step=step, topology=topology or self._default_topology, **self._where)
         self._plan, self._key = plan, (len(flat.values), tuple(flat.replicated))
         self._dtypes, self._shapes = list(map(_DTYPE, flat.values)), list(map(_SHAPE, flat.values))
+        self._kinds = list(map(device.kind, flat.values))
         self._encode_entries(plan.manifest["leaves"], flat.shards)
         self.manifest_len = reserve(len(self._head(plan.manifest, flat, step, topology)) + len(self._entries) + 12)
         return plan
@@ -144,11 +149,17 @@ class PlanCache:
 
     def _confirm(self, flat: FlatState, step: int) -> None:
         dtypes, shapes = list(map(_DTYPE, flat.values)), list(map(_SHAPE, flat.values))
-        if dtypes == self._dtypes and shapes == self._shapes:
+        kinds = list(map(device.kind, flat.values))
+        if dtypes == self._dtypes and shapes == self._shapes and kinds == self._kinds:
             return
-        i = next(i for i, (a, b, c, d) in enumerate(zip(dtypes, shapes, self._dtypes, self._shapes))
-                 if a != c or b != d)
-        was = f"{self._dtypes[i]}{list(self._shapes[i])}"
+        now, was = list(zip(dtypes, shapes, kinds)), list(zip(self._dtypes, self._shapes, self._kinds))
+        i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
         self.drop()
-        raise StalePlan(f"step {step}: {flat.path_of(i)} changed from {was} to {dtypes[i]}{list(shapes[i])} under "
-                        f"an unchanged structure; this snapshot is not committed, the next one is laid out afresh")
+        raise StalePlan(f"step {step}: {flat.path_of(i)} changed from {_spelled(was[i])} to {_spelled(now[i])} "
+                        f"under an unchanged structure; this snapshot is not committed, the next one is laid out "
+                        f"afresh")
+
+
+def _spelled(leaf: tuple) -> str:
+    dtype, shape, kind = leaf
+    return f"{dtype}{list(shape)}" + (f" on {kind}" if kind else " on the host")

@@ -169,7 +169,7 @@ def train_step(engine, stream) -> float:
     """One optimizer step on the stream's next batch; the loss, averaged over the ranks."""
     import deepspeed
 
-    x, y = stream.next()
+    x, y = (t.to(engine.device) for t in stream.next())
     loss = engine(x, y)
     engine.backward(loss)
     engine.step()  # inmem_ft snapshots here every `interval` steps
@@ -192,6 +192,8 @@ def ds_config(stage: int, dtype: str, interval: int, micro_batch: int = MICRO_BA
     }
     if dtype == "bf16":
         conf["bf16"] = {"enabled": True}
+    if torch.cuda.is_available():
+        conf["optimizer"]["params"]["fused"] = True  # torch's fused AdamW kernel, what GPU jobs run
     return conf
 
 

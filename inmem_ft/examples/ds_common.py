@@ -40,7 +40,8 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
 
 def start():
     """inmem_ft's log lines in each rank's log, one thread per rank (ranks share the cores; it also fixes the
-    reduction order), DeepSpeed's CPU setup and gloo. Returns the deepspeed module."""
+    reduction order), DeepSpeed's CPU setup and gloo, or NCCL where the ranks have GPUs (benchmarks/gpu_check.py
+    runs the examples there). Returns the deepspeed module."""
     inmem_ft.log_to_stderr()
     torch.set_num_threads(1)
     import deepspeed
@@ -48,7 +49,7 @@ def start():
     from inmem_ft.integrations.deepspeed import cpu_setup
 
     cpu_setup()
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return deepspeed
 
 

@@ -189,7 +189,7 @@ def run(args, error) -> int:
 def as_json(p: planning.Plan, block: dict) -> dict:
     return {"interval_steps": p.interval_steps, "interval_s": p.interval_s, "group_size": p.group_size,
             "parity": p.parity, "persist_every_steps": p.persist_every * p.interval_steps, "beyond_m_per_run": p.beyond_m_per_run,
-            "memory": {"slots": p.memory.slots, "parity": p.memory.parity, "staging": p.memory.staging,
+            "memory": {"slots": p.memory.slots, "parity": p.memory.parity, "locked": p.memory.locked,
                        "shm": p.memory.shm, "replication": p.replication_memory},
             "job_mtbf_s": planning.job_mtbf_s(p.cluster, p.failures),
             "costs_s": planning.our_costs(p.cluster, p.job, p.costs, p.group_size, p.parity),
@@ -222,7 +222,7 @@ def report(p: planning.Plan, block: dict) -> str:
         f"{p.persist_every * p.interval_s / 60:.0f} min): a flush of "
         f"every node takes {ours['flush']:.3g} s at {c.storage_gbps:g} GB/s",
         f"  memory per node /dev/shm {human(p.memory.shm)} = 2 slots x {human(node)} + parity 2 x {human(p.memory.parity / 2)}"
-        f"; pinned staging {human(p.memory.staging)} (GPU jobs, outside /dev/shm); full replication would need "
+        f"; GPU jobs lock the slots ({human(p.memory.locked)}: ulimit -l); full replication would need "
         f"{human(p.replication_memory)} of /dev/shm",
         *("  " + line for line in planning.fits(p)),
         "",

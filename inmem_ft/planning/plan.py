@@ -10,8 +10,9 @@ effective training time it buys next to disk checkpoints and full in-memory repl
 - persist_every: flush to disk about every `max_disk_age_s`, never more often than the storage can take (twice
   the flush time): what losses beyond m, or of every node, fall back to;
 - memory per node: two slots per rank (committed + in flight), parity m/(G-m) of the node's slots twice (the
-  old and the new overlap while a snapshot is encoded: cluster/protection.py), plus pinned staging per rank
-  outside /dev/shm (one shard each by default: config.py's staging_budget).
+  old and the new overlap while a snapshot is encoded: cluster/protection.py). A GPU job's copies go straight
+  into the slots, registered with the device (capture/copier.py): no staging beside them, but the slots'
+  bytes are locked memory, which the ranks' `ulimit -l` must allow.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class Targets:
 class Memory:
     slots: float
     parity: float
-    staging: float
+    locked: float
+    """Of the slots, the bytes a GPU job registers with the device (all of them): within /dev/shm, not beside it."""
 
     @property
     def shm(self) -> float:
@@ -145,7 +147,7 @@ def choose_group(cluster: Cluster, job: Job, failures: FailureModel, costs: Cost
 def memory(job: Job, cluster: Cluster, group_size: int, parity: int) -> Memory:
     node = job.bytes_per_rank * cluster.gpus_per_node
     return Memory(slots=SLOTS_PER_RANK * node, parity=PARITY_SETS * node * parity / (group_size - parity),
-                  staging=node)
+                  locked=SLOTS_PER_RANK * node)
 
 
 def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, targets: Targets = Targets(),
@@ -233,7 +235,7 @@ def fits(plan: Plan) -> list[str]:
         ok = mem.shm * 1.05 <= c.shm
         out.append(f"/dev/shm: needs {human(mem.shm * 1.05)} of {human(c.shm)}: {'fits' if ok else 'DOES NOT FIT'}")
     if c.host_memory is not None:
-        ok = mem.shm * 1.05 + mem.staging <= c.host_memory
-        out.append(f"host memory: needs {human(mem.shm * 1.05 + mem.staging)} (shm + staging) of "
+        ok = mem.shm * 1.05 <= c.host_memory
+        out.append(f"host memory: needs {human(mem.shm * 1.05)} (the /dev/shm above) of "
                    f"{human(c.host_memory)}: {'fits' if ok else 'DOES NOT FIT'}")
     return out

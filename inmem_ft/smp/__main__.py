@@ -4,7 +4,8 @@ import os
 import sys
 
 from .. import units
-from ..cli import Parser, job_id, node_id
+from ..argtypes import Parser, job_id, node_id
+from ..cluster.flushnow import FlushNow
 from ..cluster.options import add_ec_arguments, make_peers, make_protector, options_from_args
 from ..cluster.slotreads import SlotReads
 from ..errors import InmemFTError
@@ -13,7 +14,6 @@ from . import paths
 from .daemon import SMP, check_budget_fits
 from .diskargs import DEFAULT_KEEP, add_disk_arguments, resolve as resolve_disk
 from .disktier import DiskTier
-from .flushnow import FlushNow
 from .metrics import Exporter, add_metrics_arguments
 from .nodelock import NodeLock
 

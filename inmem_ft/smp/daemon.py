@@ -89,7 +89,7 @@ class SMP:
         self.stopping = False
         self.local_ranks = 0  # trainers say how many ranks share this node; the budget error needs it
         self.disk = None  # disktier.DiskTier: periodic flush, SIGTERM flush, adoption at start
-        self.flushes = None  # flushnow.FlushNow: serves `flush` (every node's disk tier, now), which waits on peers
+        self.flushes = None  # cluster.flushnow.FlushNow: serves `flush` (every node's disk tier, now) over the peers
         self.node_lock = None  # nodelock.NodeLock: held while this SMP serves the node
         self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.

@@ -1,17 +1,12 @@
-"""Where a node's SMP puts its socket and log, and how its segments are named."""
+"""Where a node's SMP puts its socket and log, and how its segments are named (every name carries the job id,
+checked by check_job, jobid.py's rule)."""
 from __future__ import annotations
 
 import os
 import re
 import stat
 
-_JOB = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def check_job(job: str) -> str:
-    if not _JOB.match(job or ""):
-        raise ValueError(f"job id {job!r} must be 1-64 characters of letters, digits, '_' or '-'")
-    return job
+from ..jobid import check_job
 
 
 def runtime_dir() -> str:

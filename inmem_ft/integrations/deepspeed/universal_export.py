@@ -16,7 +16,23 @@ reads the step) in optimizer_state.pt.
 
 Global tensors are read and written one at a time. The model states keep everything DeepSpeed saved except
 `module`: a universal load takes the weights from zero/ and never reads it, and writing it would hold the
-whole model at once. A pipeline snapshot (a PipelineModule's, any number of stages) is laid out as universal_export_pipeline.py says.
+whole model at once.
+
+A pipeline snapshot (a DeepSpeed PipelineModule's, ZeRO-1, any number of stages) is laid out as stock
+`ds_to_universal` lays out a pipeline checkpoint:
+
+    <out>/<tag>/zero/<DeepSpeed's parameter name>/...   as above: `3.qkv.weight`, and a tied parameter once,
+                                                        `tied_modules.<key>.weight`
+    <out>/<tag>/mp_rank_<NN>_model_states.pt            the model states (param_shapes, steps, lr scheduler) of
+                                                        stage S's tensor-parallel rank T, NN = S * tp + T (the
+                                                        model-parallel rank DeepSpeed reads it by)
+
+DeepSpeed names a PipelineModule's parameters by the layer's global index (or the tied key), whichever stage
+holds the layer, and a universal load reads the weights and optimizer state from zero/ only (never the
+`layer_XX-model_states.pt` files): stock DeepSpeed 0.19 loads this export into the same PipelineModule built
+with any number of stages and any data-parallel size (ZeRO-1). Each stage's DP rank 0 gives its
+model states and optimizer hyperparameters; the snapshot's tensors, keyed `layer_XX.<name>`, are found from
+DeepSpeed's names through the names each rank recorded (`pipeline.names` in its snapshot).
 """
 from __future__ import annotations
 
@@ -51,10 +67,8 @@ def plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str,
     from . import types  # imports deepspeed: only for this format
 
     types.register()  # DeepSpeed's loss scaler and enums come back as themselves, as DeepSpeed saved them
-    from . import universal_export_pipeline  # here: it builds on this module
-
-    if topo.get("pp", 1) > 1 or universal_export_pipeline.recorded_names(src, 0) is not None:  # PipelineModule
-        return universal_export_pipeline.plan(src)
+    if topo.get("pp", 1) > 1 or recorded_names(src, 0) is not None:  # PipelineModule
+        return pipeline_plan(src)
     if topo.get("tp", 1) > 1:
         raise InmemFTError(f"--format deepspeed-universal covers tensor parallelism only in a PipelineModule; "
                            f"this snapshot is tp{topo.get('tp')} without one: export it with --format torch-dcp")
@@ -93,6 +107,55 @@ def rank_plan(src: MemorySource, rank: int) -> tuple[dict, dict, list[tuple[dict
     model = {**model, "module": {}}
     model.setdefault("universal_checkpoint_info", UNIVERSAL_INFO)
     return model, common, groups
+
+
+def model_parallel_ranks(src: MemorySource) -> dict[tuple[int, int], int]:
+    """(pipeline stage, tensor-parallel rank) -> the rank at data-parallel coordinate 0 of it."""
+    out: dict[tuple[int, int], int] = {}
+    for rank in sorted(src.manifests):
+        coords = src.topology_of(rank).get("coords", {})
+        if coords.get("dp", 0) == 0:
+            out.setdefault((coords.get("pp", 0), coords.get("tp", 0)), rank)
+    pp, tp = src.topology.get("pp", 1), src.topology.get("tp", 1)
+    want = [(s, t) for s in range(max(pp, 1)) for t in range(tp)]
+    if sorted(out) != want:
+        raise InmemFTError(f"step {src.step}'s topology records name (stage, tensor-parallel rank) {sorted(out)} at "
+                           f"data-parallel rank 0, not all {want}: not a snapshot this exporter understands")
+    return out
+
+
+def recorded_names(src: MemorySource, rank: int) -> dict[str, str] | None:
+    """DeepSpeed's parameter name -> snapshot key, as `rank` recorded them (None: no pipeline snapshot, or one
+    taken by an inmem_ft that did not record them)."""
+    try:
+        return src.state(rank, "pipeline", "names")
+    except InmemFTError:
+        return None
+
+
+def pipeline_plan(src: MemorySource) -> tuple[str, dict[str, dict], dict, list[tuple[str, str, tuple, object]]]:
+    """plan() for a pipeline snapshot: every stage's parameters once (a tied one from the first stage
+    that holds it; the shapes tensor-parallel rank 0 holds), every model-parallel rank's model states; the
+    optimizer's common state from stage 0."""
+    models, params, seen, common = {}, [], set(), None
+    tp = src.topology.get("tp", 1)
+    for (stage, tp_rank), rank in sorted(model_parallel_ranks(src).items()):
+        model, stage_common, groups = rank_plan(src, rank)
+        models[f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"] = model
+        if tp_rank:  # its parameters are the same global tensors as TP rank 0's
+            continue
+        keys = recorded_names(src, rank)
+        if keys is None:
+            raise InmemFTError(f"rank {rank}'s snapshot of step {src.step} does not record its pipeline parameter "
+                               f"names (taken by an older inmem_ft): export a step taken since, or use --format "
+                               f"torch-dcp")
+        common = common or stage_common
+        for group, step in groups:
+            for name, shape in group.items():
+                if name not in seen:
+                    seen.add(name)
+                    params.append((name, keys[name], shape, step))
+    return str(src.state(0, "tag")), models, common, params
 
 
 def partition_dim(src: MemorySource, key: str) -> int | None:

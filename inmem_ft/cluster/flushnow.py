@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from ..cluster.transport import PeerUnavailable
+from .transport import PeerUnavailable
 from ..errors import InmemFTError
-from . import fields
+from ..smp import fields
 
 POLL_S = 0.2
 DEFAULT_TIMEOUT_S = 600.0
