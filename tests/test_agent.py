@@ -18,7 +18,7 @@ from inmem_ft.agent import hangs
 from inmem_ft.errors import STOP_EXIT
 from inmem_ft.examples.corrupt import CORRUPT_AT, SPIKE_AT
 from inmem_ft.smp.segments import names_with_prefix, unlink
-from inmem_ft.telemetry import read_losses
+from inmem_ft.telemetry import read_losses, read_record
 
 STEPS, INTERVAL, FAIL_AT = 12, 3, 7  # the restart resumes from the snapshot of step 6
 LONG = 1500  # steps of a run killed from outside once its standbys are ready
@@ -153,30 +153,37 @@ def long_reference(tmp_path_factory):
     return read_losses(tmp / "loss.jsonl")
 
 
-@pytest.mark.slow
-def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_reference, tmp_path, job):
-    """Once the node's standbys have imported what the ranks did, kill -9 rank 1: both local ranks restart on
-    standbys (torchrun's environment and log files, torch's restart count), resume from the SMP, and every loss
-    is the uninterrupted run's."""
+def killed_under_agent(tmp_path, job, kills: list[tuple[str, int]]) -> str:
+    """The agent runs the long example; for each (line, attempt) of `kills`, once `line` is in its output, rank 1
+    of that attempt gets kill -9. The agent must then finish the job; returns its output."""
     cmd, env = agent_command(tmp_path, job, ["--steps", str(LONG)])
     out = tmp_path / "agent.out"
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while "event=standbys_ready count=2" not in out.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.1)
-        victim = json.loads((tmp_path / "work" / "attempt1" / "rank1.json").read_text())["pid"]
-        os.kill(victim, signal.SIGKILL)
+        for line, attempt in kills:
+            deadline = time.monotonic() + 300
+            record = tmp_path / "work" / f"attempt{attempt}" / "rank1.json"
+            while line not in out.read_text() or "pid" not in (read_record(str(record)) or {}):
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+                time.sleep(0.05)
+            os.kill(read_record(str(record))["pid"], signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, out.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         for seg in names_with_prefix(f"inmemft.{job}."):
             unlink(seg)
-    text = out.read_text()
+    return out.read_text()
+
+
+@pytest.mark.slow
+def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_reference, tmp_path, job):
+    """Once the node's standbys have imported what the ranks did, kill -9 rank 1: both local ranks restart on
+    standbys (torchrun's environment and log files, torch's restart count), resume from the SMP, and every loss
+    is the uninterrupted run's."""
+    text = killed_under_agent(tmp_path, job, [("event=standbys_ready count=2", 1)])
     assert "event=ranks_started attempt=2 from_standby=2 cold=0" in text, text
     assert read_losses(tmp_path / "loss.jsonl") == long_reference
     [split] = time_lost(tmp_path)
@@ -192,6 +199,18 @@ def test_rank_killed_from_outside_restarts_on_warm_standbys_bit_identical(long_r
         logs = next((tmp_path / "work" / "logs").glob(f"*/attempt_1/{rank}"))
         assert f"restore rank={rank} step=" in (logs / "stderr.log").read_text()
     assert re.search(r"restore rank=1 step=\d+ source=memory", text)
+
+
+@pytest.mark.slow
+def test_a_second_kill_right_after_a_restart_finds_standbys_forked_again_bit_identical(long_reference, tmp_path, job):
+    """The zygote forks the node's standbys; a restart uses both, and forks replace them at once: rank 1 killed
+    again as soon as the first restart's ranks run also restarts on standbys, and every loss is the uninterrupted
+    run's."""
+    text = killed_under_agent(tmp_path, job, [("event=standbys_ready count=2", 1),
+                                              ("event=ranks_started attempt=2", 2)])
+    assert "event=zygote_started" in text and "standbys_spawned" not in text, text
+    assert "event=ranks_started attempt=3 from_standby=2 cold=0" in text, text
+    assert read_losses(tmp_path / "loss.jsonl") == long_reference
 
 
 def test_sigterm_stops_the_ranks_and_the_smp_which_spills_first(tmp_path, job):
@@ -286,23 +305,24 @@ def test_torchruns_static_rendezvous_with_restarts_is_refused_up_front(runtime):
 
 
 def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, monkeypatch):
-    """The hand-over torch's SubprocessHandler gets from agent/standbys.py: torchrun's worker command runs in the
+    """The hand-over torch's SubprocessHandler gets from agent/handover.py: torchrun's worker command runs in the
     standby with exactly the given environment, its stdout and stderr into torch's files; any other command is
     left to a cold start and leaves the standby waiting."""
+    from inmem_ft.agent.handover import standby_command
     from inmem_ft.agent.standbys import StandbyPool
 
     script = tmp_path / "rank.py"
     script.write_text("import os, sys\nprint('out', os.environ['RANK'], sys.argv[1:])\nprint('err', file=sys.stderr)\n")
     monkeypatch.setenv("PYTHONPATH", ROOT)
-    pool = StandbyPool(1, str(tmp_path / "standbys"), lambda *event, **fields: None)
+    pool = StandbyPool(str(tmp_path / "standbys"), count=1)
     try:
         assert pool.refill([str(tmp_path / "no-rank-yet.json")]) == 1
-        assert pool.hand_over(["/bin/sh", "-c", "true"], {}, None, None) is None and len(pool.waiting) == 1
+        assert standby_command(["/bin/sh", "-c", "true"]) is None and pool.available()
         out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": ROOT, "RANK": "3"}
-        proc = pool.hand_over([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--", str(script), "a"], env,
-                              str(out), str(err))
-        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.waiting
+        command = standby_command([sys.executable, "-u", "-m", "inmem_ft.agent.worker", "--", str(script), "a"])
+        proc = pool.hand_over(command, env, str(out), str(err))
+        assert proc is not None and proc.wait(timeout=120) == 0 and not pool.available()
         assert out.read_text() == "out 3 ['a']\n" and err.read_text() == "err\n"
     finally:
         pool.stop()

@@ -9,11 +9,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import import_layers  # noqa: E402
 
 # Arrows up that stay for now, each with why; an entry whose arrow is gone fails the test, so it goes too.
-ALLOWED_UP = {
-    # agent/standbys.py builds on the simulator's StandbyPool until the two pools become one in agent/
-    # (issue 39, part 1: the standby branch moves launcher/standby.py into agent/).
-    ("inmem_ft.agent.standbys", "inmem_ft.launcher.standby"),
-}
+ALLOWED_UP: set[tuple[str, str]] = set()  # none left: add one only with the issue that removes it
 
 
 def test_imports_point_down():

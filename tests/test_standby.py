@@ -1,4 +1,4 @@
-"""Warm standbys (inmem_ft/launcher/standby.py, worker.py): a rank handed to a standby runs its command as a
+"""Warm standbys (inmem_ft/agent/standbys.py, zygote.py, worker.py): a rank handed to a standby runs its command as a
 cold `python ...` would, a job restarted on standbys resumes bit-identically, and a command whose imports must
 follow its own code turns them off instead of failing."""
 import json
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from inmem_ft.launcher.simulated import SimulatedCluster
-from inmem_ft.launcher.standby import StandbyPool
+from inmem_ft.agent.standbys import StandbyPool
 from inmem_ft.telemetry import read_losses, write_record
 
 SCRIPT = """
@@ -28,28 +28,34 @@ def wait_ready(pool, slots, timeout=300):
         time.sleep(0.1)
 
 
-def test_a_standby_runs_a_script_as_a_cold_python_does(runtime):
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
+def test_a_standby_runs_a_script_as_a_cold_python_does(runtime, fork):
+    """Forked from the node's zygote (one thread: OMP_NUM_THREADS=1, as torchrun sets it) or spawned, a standby
+    runs the script as `python` does; the forked one is this process's child, its exit status torch's to read."""
     tmp_path = runtime
     script = tmp_path / "sub" / "show.py"
     script.parent.mkdir()
     script.write_text(SCRIPT)
-    env = {**os.environ, "X": "assigned"}
+    env = {**os.environ, "X": "assigned", "OMP_NUM_THREADS": "1"}
     cold = subprocess.run([sys.executable, str(script), "a", "--b"], env=env, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL)
     previous = tmp_path / "previous.json"
     write_record(str(previous), {"modules": ["colorsys", "no_such_module_anywhere"], "argv": [str(script), "a", "--b"]})
-    pool = StandbyPool(str(tmp_path))
-    pool.start((0, 0), {**env, "ONLY_AT_SPAWN": "1", "X": "spawn"}, str(previous))
+    pool = StandbyPool(str(tmp_path), logs=True, fork=fork)
+    pool.start({**env, "ONLY_AT_SPAWN": "1", "X": "spawn"}, str(previous), (0, 0))
     try:
         wait_ready(pool, [(0, 0)])
-        proc = pool.hand_over((0, 0), [str(script), "a", "--b"], env, str(tmp_path / "rank.log"))
+        proc = pool.hand_over([str(script), "a", "--b"], env, str(tmp_path / "rank.log"), str(tmp_path / "rank.log"),
+                              slot=(0, 0))
         assert proc is not None and proc.wait(timeout=120) == cold.returncode == 7
+        assert (type(proc).__name__ == "Forked") == fork and pool.forks == fork
     finally:
         pool.stop()
     assert json.loads((tmp_path / "rank.log").read_text().strip().splitlines()[-1]) == json.loads(cold.stdout)
     assert json.loads(cold.stdout)["stale"] is None and json.loads(cold.stdout)["x"] == "assigned"
     standby_log = next(tmp_path.glob("standby1-*.log")).read_text()
     assert "preloaded=1 failed=1 " in standby_log and "not_imported=no_such_module_anywhere" in standby_log
+    assert ("forked_from=" in standby_log) == fork
 
 
 def test_a_job_restarted_on_warm_standbys_resumes_bit_identically(job, runtime):

@@ -1,6 +1,6 @@
 """torch's elastic agent (what torchrun runs), with what inmem_ft adds on each node: the node's SMP for the length
 of the run, hung ranks found by their heartbeats (stacks dumped, then killed: a crash from there on), warm
-standby processes the restarted ranks start on (standbys.py), and the time each failure costs (clock.py).
+standby processes the restarted ranks start on (standbys.py, handover.py), and the time each failure costs (clock.py).
 Restarts are torch's own: every local rank stops, the agents rendezvous again, every rank starts anew (on a
 standby where one waits) and restores from the SMPs. With a node range (--nnodes MIN:MAX) a lost node that no
 node replaces within the spare wait is trained without, and a node that joins is taken in at the next snapshot:
@@ -25,7 +25,8 @@ from .worker import RECORD_DIR
 from . import hangs, lines, rendezvous
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
-from .standbys import StandbyPool, from_standbys, onto
+from .handover import from_standbys, onto
+from .standbys import StandbyPool
 
 KILL_WAIT_S = 5.0  # how long a killed hung rank may take to be seen gone by the process context
 
@@ -60,7 +61,7 @@ class InmemAgent(LocalElasticAgent):
         self._alive_at: float | None = None  # the last poll that found every local rank running
         self._nodes_now: int | None = None  # nodes in the last rendezvous
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
-        self.standbys = StandbyPool(count, os.path.join(options.work_dir, "standbys"), self.say) if count else None
+        self.standbys = StandbyPool(os.path.join(options.work_dir, "standbys"), count, self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
@@ -80,12 +81,14 @@ class InmemAgent(LocalElasticAgent):
                      f"{poll * 1000:g} ms while it waits (torch's own: every {rendezvous.MAX_S:g} s)")
         low, high = self.opts.nodes
         if low < high:
-            self.say(f"event=elastic nodes={low}:{high} spare_wait_s={self.opts.spare_wait_s}: a lost node that no "
-                     f"node replaces within {self.opts.spare_wait_s} s is trained without (down to {low} nodes), "
-                     f"the state resharded from memory; a node that joins is taken in")
+            self.say("elastic", nodes=f"{low}:{high}", spare_wait_s=self.opts.spare_wait_s,
+                     text=f"a lost node that no node replaces within {self.opts.spare_wait_s} s is trained without "
+                          f"(down to {low} nodes), the state resharded from memory; a node that joins is taken in")
         self.smp.start()
         os.environ.update({"INMEM_FT_JOB": self.opts.job, "INMEM_FT_NODE": str(self.opts.node),
                            "INMEM_FT_SMP_SOCKET": self.opts.socket})
+        if self.standbys:  # the zygote imports torch while the agents rendezvous and the first ranks start
+            self.standbys.start_zygote(dict(os.environ))
         result, signalled = None, False
         try:
             result = super().run(*args, **kwargs)
@@ -131,8 +134,11 @@ class InmemAgent(LocalElasticAgent):
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
         self._alive_at = None
-        self.clock.launched(self._attempt, launched_at, {
-            w.global_rank: os.path.join(attempt_dir, f"rank{w.global_rank}.json") for w in worker_group.workers})
+        records = {w.global_rank: os.path.join(attempt_dir, f"rank{w.global_rank}.json") for w in worker_group.workers}
+        self.clock.launched(self._attempt, launched_at, records)
+        if self.standbys:  # the zygote imports what a rank imports as the rank does; forks replace those used
+            self.standbys.follow(records[min(records)])
+            self._refill_standbys(worker_group, {})
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
@@ -177,7 +183,7 @@ class InmemAgent(LocalElasticAgent):
     # ---- warm standbys -----------------------------------------------------------------------------------
     def _onto_standbys(self):
         """The ranks start on standbys (those there are; the rest cold, as torch starts them)."""
-        if not self.standbys or not self.standbys.waiting:
+        if not self.standbys or not self.standbys.available():
             return contextlib.nullcontext()
         return onto(self.standbys)
 
@@ -206,16 +212,17 @@ class InmemAgent(LocalElasticAgent):
         if before is None and low < high:  # the start is over: a round from now on replaces a lost node
             spare = self.opts.spare_wait_s
             if not rendezvous.set_last_call(worker_group.spec.rdzv_handler, spare):
-                self.say(f"event=spare_wait_unset: this torch's rendezvous keeps its last-call wait elsewhere; "
-                         f"a lost node is waited for as long as --rdzv-conf last_call_timeout says (30 s)")
+                self.say("spare_wait_unset", text="this torch's rendezvous keeps its last-call wait elsewhere; a lost "
+                                                  "node is waited for as long as --rdzv-conf last_call_timeout says (30 s)")
         if before is not None and nodes != before:
             how = "shrink" if nodes < before else "grow"
-            self.say(f"event={how} nodes={before}->{nodes} world_size={worker_group.spec.local_world_size * nodes}: "
-                     f"the ranks restart at {nodes} nodes and reshard the newest complete step from memory")
+            self.say(how, nodes=f"{before}->{nodes}", world_size=worker_group.spec.local_world_size * nodes,
+                     text=f"the ranks restart at {nodes} nodes and reshard the newest complete step from memory")
             if nodes < before and "--parity" in self.opts.smp_args:
-                self.say(f"event=degraded nodes={nodes}: the SMPs' erasure-coding groups were formed over "
-                         f"{before} nodes; the steps taken from now on are not protected against another node "
-                         f"loss (it falls to the disk tier) until the job runs on {before} nodes again")
+                self.say("degraded", nodes=nodes,
+                         text=f"the SMPs' erasure-coding groups were formed over {before} nodes; the steps taken from "
+                              f"now on are not protected against another node loss (it falls to the disk tier) until "
+                              f"the job runs on {before} nodes again")
 
     def _joins_at_snapshots(self, handler) -> None:
         """torch's agent restarts the ranks as soon as its rendezvous has a node waiting (a grow); here a waiting
@@ -235,8 +242,8 @@ class InmemAgent(LocalElasticAgent):
                 "snapshot_step" in b for b in beats) else None
             if self._joining_after is None:
                 self._joining_after = -1 if taken is None else taken
-                self.say(f"event=node_waiting count={count}: taken in once the ranks are past their next snapshot "
-                         f"(the last one taken: step {taken})")
+                self.say("node_waiting", count=count,
+                         text=f"taken in once the ranks are past their next snapshot (the last one taken: step {taken})")
             if taken is None or (taken > self._joining_after and all(b.get("step", -1) > taken for b in beats)):
                 return count
             return 0
@@ -248,11 +255,14 @@ class InmemAgent(LocalElasticAgent):
         self.say("ranks_started", attempt=self._attempt, from_standby=warm, cold=len(worker_group.workers) - warm)
 
     def _refill_standbys(self, worker_group, beats: dict[int, dict]) -> None:
-        """Once every local rank beats and no restart is being timed (training runs), top the standbys up; each
-        preloads what one of the running ranks imported (its worker record)."""
+        """Top the standbys up, each preloading what one of the running ranks imported (its worker record): first
+        once every local rank beats and no restart is being timed (training runs: what it imports is known, and
+        imports do not compete with a start or a restore for the cores); after a restart used some, at once where
+        they are the zygote's forks (a second failure finds them warm, and a fork costs milliseconds)."""
         if not self.standbys:
             return
-        if len(beats) == len(worker_group.workers) and not self.clock.pending:
+        if (self.standbys.forks and self.standbys.handed) or (len(beats) == len(worker_group.workers)
+                                                              and not self.clock.pending):
             attempt_dir = os.path.join(self.opts.work_dir, f"attempt{self._attempt}")
             self.standbys.refill([os.path.join(attempt_dir, f"rank{w.global_rank}.json")
                                   for w in worker_group.workers])

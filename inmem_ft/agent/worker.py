@@ -154,28 +154,47 @@ def fresh_torch_random_state() -> bool:
     return torch.equal(torch.random.get_rng_state(), seeded.get_state())
 
 
-def standby(previous_record: str) -> None:
+class Preload:
+    """What a rank's previous process imported (its record, followed while it runs), imported here in its order.
+    A zygote holds one and forks standbys that go on with it (zygote.py)."""
+
+    def __init__(self, previous_record: str, first: list[str] = ()):
+        self.previous_record, self.t0 = previous_record, time.time()
+        self.tried: set[str] = set()
+        preload(list(first))  # what a rank imports in any case: one that fails fails the rank too
+        self.failed: list[str] = []
+        self._argv_known = False
+
+    def step(self) -> None:
+        """Import what the previous process imported since the last step."""
+        previous = read_record(self.previous_record) or {}
+        if not self._argv_known and previous.get("argv"):
+            sys.argv = script_argv(previous["argv"])  # what a module reading it at import sees in a cold start
+            self._argv_known = True
+        names = [n for n in previous.get("modules", []) if n not in sys.modules and n not in self.tried]
+        self.tried.update(names)
+        self.failed += preload(names)
+
+
+def standby(preloaded: Preload, origin: str = "") -> None:
     """Import what the previous process imported, following its record while it runs, until an assignment
-    comes; then run it (or, should the imports have drawn from torch's generator, exec a cold start of it)."""
-    t0, tried, failed = time.time(), set(), []
+    comes; then run it (or, should the imports have drawn from torch's generator, exec a cold start of it).
+    `origin`: where the process came from, for its line (a zygote's fork)."""
     record = Record(os.environ.get(RECORD), standby=True)
     ready = refused = None
     while True:
-        previous = read_record(previous_record) or {}
-        if ready is None and previous.get("argv"):
-            sys.argv = script_argv(previous["argv"])  # what a module reading it at import sees in a cold start
-        names = [n for n in previous.get("modules", []) if n not in sys.modules and n not in tried]
-        tried.update(names)
-        failed += preload(names)
+        preloaded.step()
         if refused is None and not fresh_torch_random_state():
             refused = ("importing the rank's modules drew from torch's random generator, so a rank run in this "
                        "process would not start as a cold one does")
             record.note(refused=refused)
         if ready is None:
             ready = time.time()
-            record.note(ready=ready, preload_s=ready - t0)
-            print(f"[inmem_ft] standby pid={os.getpid()} preloaded={len(tried) - len(failed)} failed={len(failed)} "
-                  f"seconds={ready - t0:.2f}{' not_imported=' + ','.join(failed) if failed else ''}", flush=True)
+            record.note(ready=ready, preload_s=ready - preloaded.t0)
+            failed = preloaded.failed
+            print(f"[inmem_ft] standby pid={os.getpid()} preloaded={len(preloaded.tried) - len(failed)} "
+                  f"failed={len(failed)} seconds={ready - preloaded.t0:.2f}{origin}"
+                  f"{' not_imported=' + ','.join(failed) if failed else ''}", flush=True)
         if select.select([sys.stdin], [], [], FOLLOW_S)[0]:
             break
     line = sys.stdin.readline()
@@ -213,7 +232,7 @@ def take_over_io(stdout: str | None, stderr: str | None) -> None:
 def main() -> None:
     args = sys.argv[1:]
     if args[:1] == ["--standby"] and len(args) == 2:
-        standby(args[1])
+        standby(Preload(args[1]))
     elif args[:1] == ["--"] and runnable(args[1:]):
         run(args[1:], Record(record_path(), standby=False))
     else:

@@ -21,8 +21,8 @@ from ..cluster.options import ECOptions
 from ..smp import control, inventory, paths
 from ..telemetry import read_record
 from ..agent import worker
+from ..agent.standbys import StandbyPool
 from .ports import free_port
-from .standby import StandbyPool
 
 WORKERS = ("plain", "cold", "standby")
 
@@ -67,7 +67,7 @@ class SimulatedCluster:
         self.attempts = 0
         self.placement: dict[int, int] | None = None  # rank -> node; None: node-major, as torchrun's static rdzv
         self.workers = workers
-        self.standbys = StandbyPool(log_dir) if workers == "standby" else None
+        self.standbys = StandbyPool(log_dir, logs=True) if workers == "standby" else None
         self.started_as: dict[int, str] = {}  # rank -> how this attempt started it: "standby", "cold" or "plain"
         self.failure = threading.Event()  # some rank of this attempt exited with an error
         self._store = None  # the running attempt's rendezvous store, when served from here
@@ -184,7 +184,7 @@ class SimulatedCluster:
                 # The log exists from the start whoever writes it: a standby opens it only once it takes over,
                 # and a rank that fails before then (or a restart stopped first) still has one to read.
                 open(log, "w").close()
-                proc, how = self.standbys.hand_over(self.slot_of(rank), argv, env, log), "standby"
+                proc, how = self.standbys.hand_over(argv, env, log, log, slot=self.slot_of(rank)), "standby"
             if proc is None:
                 command = ["-m", "inmem_ft.agent.worker", "--", *argv] if timed else argv
                 how = "cold" if timed else "plain"
@@ -230,7 +230,7 @@ class SimulatedCluster:
             return 0
         for slot in missing:
             rank = by_slot[slot]
-            self.standbys.start(slot, {**self.env, **self.rank_vars(rank)}, self.record_path(self.attempts, rank))
+            self.standbys.start({**self.env, **self.rank_vars(rank)}, self.record_path(self.attempts, rank), slot)
         return len(missing)
 
     @property
