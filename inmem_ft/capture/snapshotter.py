@@ -555,11 +555,11 @@ class Snapshotter:
         return Restorer(self._restore_context(), layout, reshard, summary).restore(views, defer_checks, to_device)
 
     def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False,
-                to_device: bool = False):
+                summary: bool = True, to_device: bool = False):
         """Collective: resume()'s state, or None when no step was ever complete. Raises LayoutChanged (a
         LayoutMismatch) when the newest snapshots were taken on another layout than `layout` (default: another
         world size): this API does not reshard."""
-        got = self.resume(layout, views=views, defer_checks=defer_checks, to_device=to_device)
+        got = self.resume(layout, views=views, defer_checks=defer_checks, summary=summary, to_device=to_device)
         if got.reshard is not None:
             got.reshard.refuse()
         return got.state
