@@ -116,7 +116,7 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
 def open_newest(socket_path: str, new: Topology, node: int | None = None) -> Resharding:
     """This rank's open of the old layout's newest step every old rank holds, agreeing with no one: for a
     restore that settles, in the agreement it holds anyway, that every rank opened the same step
-    (Snapshotter.restore's `other`); open_memory otherwise."""
+    (Snapshotter.resume with reshard, through capture/resume.py); open_memory otherwise."""
     t0 = time.perf_counter()
     rs = _open(socket_path, _listing(socket_path), new, node)
     rs.seconds["open"] = round(time.perf_counter() - t0, 4)
