@@ -8,6 +8,7 @@ import torch
 from inmem_ft import SnapshotConfig, Snapshotter, Topology
 from inmem_ft.errors import LayoutChanged
 from inmem_ft.smp import control, paths
+from inmem_ft.universal.reshard import FromMemory
 
 ZERO1 = Topology(framework="pytorch", world_size=1, zero_stage=1)
 ZERO2 = Topology(framework="pytorch", world_size=1, zero_stage=2)
@@ -29,7 +30,7 @@ def test_resume_is_nothing_then_in_place_then_a_reshard_source(job, smp, caplog)
     assert "restore rank=0 step=1 source=memory seconds=" in caplog.text
 
     with Snapshotter(config) as snap:
-        got = snap.resume(layout=ZERO2, reshard=True)
+        got = snap.resume(layout=ZERO2, reshard=FromMemory.of(snap, ZERO2))
         assert got.state is None and got.reshard.step == 1 and got.reshard.settled  # opened in the agreement
         assert "taken with world size 1 (tp1.pp1.dp1.zero1), this job runs with world size 1 " \
                "(tp1.pp1.dp1.zero2)" in got.reshard.why

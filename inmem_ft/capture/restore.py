@@ -71,7 +71,6 @@ class RestoreContext:
     dp_rank: int
     dp_size: int
     node: int
-    socket_path: str
     start_fresh: bool
     smp: SMPClient
     agree: Agreement
@@ -117,17 +116,17 @@ class Restorer:
     """The restore protocol over a Snapshotter's SMP client, agreement group and slot mappings (its
     RestoreContext)."""
 
-    def __init__(self, ctx: RestoreContext, layout: Topology | None = None, reshard: bool = False,
+    def __init__(self, ctx: RestoreContext, layout: Topology | None = None, reshard: resume.Opener | None = None,
                  summary: bool = True):
         """layout: this job's parallel layout; slots taken on another are not restored as they are (default:
-        only the world size is compared). reshard: the caller reshards another layout's snapshots; this rank
-        then opens the newest of them before the ranks agree when its newest slot is of another layout, so that
-        the one agreement also settles what the reshard reads (ReshardSource.settled).
+        only the world size is compared). reshard: how the caller opens another layout's snapshots to reshard
+        them (None: it does not); this rank opens the newest of them before the ranks agree when its newest slot
+        is of another layout, so that the one agreement also settles what the reshard reads
+        (ReshardSource.settled).
         summary: this restore's line is the user's summary of it, logged at WARNING so that it shows with no
         logging configured (an adapter that logs its own after the framework's load passes False: INFO)."""
         self.ctx, self.layout, self._summary = ctx, layout, summary
-        self._alone, self._together = resume.opener(ctx.socket_path, layout, ctx.node, ctx.agree.min) \
-            if reshard and layout is not None else (None, None)
+        self._reshard = reshard
         self._foreign: _Candidate | None = None  # this rank's newest slot of another layout
 
     def restore(self, views: bool = False, defer_checks: bool = False, to_device: bool = False) -> resume.Resume:
@@ -229,10 +228,10 @@ class Restorer:
     def _open_other(self, local: list[_Candidate]):
         """This rank's open of the newest snapshots of another layout, when its newest slot is of another
         layout and the caller reshards; None if it fails (the collective open then says why, on every rank)."""
-        if self._alone is None or self._foreign is None or any(c.step >= self._foreign.step for c in local):
+        if self._reshard is None or self._foreign is None or any(c.step >= self._foreign.step for c in local):
             return None
         try:
-            return self._alone()
+            return self._reshard.alone()
         except Exception as e:  # every rank must take part in the agreement that follows
             log.info("restore rank=%d event=other_layout_unopened: %s", self.ctx.rank, e)
             return None
@@ -266,7 +265,7 @@ class Restorer:
         if opened is not None and not settled:
             opened.close()
         return resume.ReshardSource(foreign, self._why_changed(rows, foreign), opened if settled else None,
-                                    self._together)
+                                    self._reshard.together if self._reshard is not None else None)
 
     def _failed(self, rows: list[Row], said: bytes, failure: InmemFTError | None) -> InmemFTError:
         """The error of the first rank that could not list its snapshots, for every rank to raise: each learns

@@ -7,19 +7,19 @@ one `Restored` record, the tier names and the one restore log line
 
     restore rank=R step=S source=TIER [from=OLD to=NEW ]seconds=T[ bytes=N] [phase_s=T ...] [bytes_WHERE=N ...]
 
-(`agent/timelost.py` reads it; operators grep it), and the wiring of a reshard to `universal.reshard`.
+(`agent/timelost.py` reads it; operators grep it), and when a reshard opens what (an `Opener`, which
+universal/reshard.py implements: capture sits below it).
 """
 from __future__ import annotations
 
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from .. import events
 from ..deprecation import Tier
 from ..errors import LayoutChanged
-from ..snapshot.topology import Topology
 
 log = logging.getLogger("inmem_ft.capture")
 
@@ -119,8 +119,8 @@ class ReshardSource:
     let go by `close()` (or the end of a `with` block), whether or not the adapter opened it."""
 
     def __init__(self, step: int, why: str, opened, open_collective: Callable | None):
-        """open_collective: universal.reshard.open_memory for this job, None where the restore was not asked
-        to reshard (open() then refuses)."""
+        """open_collective: the Opener's together(), None where the restore was not asked to reshard (open()
+        then refuses)."""
         self.step, self.why = step, why
         self.settled = opened is not None
         """The restore's agreement settled which step to read, and every rank opened it already (its open
@@ -156,22 +156,16 @@ class ReshardSource:
         self.close()
 
 
-def opener(socket_path: str, layout: Topology, node: int | None, agree_min) -> tuple[Callable, Callable]:
-    """(this rank's open of another layout's newest snapshots, agreeing with no one: for the restore to settle
-    in its own agreement that every rank opened the same step; the collective open otherwise)."""
+class Opener(Protocol):
+    """How a restore that reshards opens another layout's snapshots (universal.reshard.FromMemory): capture
+    sits below universal, which reads them."""
 
-    # universal.reshard is imported when a reshard opens: a job that never reshards does not pay for pyarrow.
-    def alone():
-        from ..universal.reshard import open_newest
+    def alone(self):
+        """This rank's open of the newest of them, agreeing with no one: tried before the restore's agreement,
+        which then also settles that every rank opened the same step."""
 
-        return open_newest(socket_path, layout, node)
-
-    def together():
-        from ..universal.reshard import open_memory
-
-        return open_memory(socket_path, layout, agree_min, node)
-
-    return alone, together
+    def together(self):
+        """Collective: the open every rank agrees on, where the restore's agreement did not settle it."""
 
 
 @dataclass

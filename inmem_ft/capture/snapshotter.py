@@ -35,7 +35,7 @@ from .agreement import Agreement
 from .copier import Copier
 from .plans import PlanCache, StalePlan
 from .restore import NO_STEP, RestoreContext, Restorer
-from .resume import RestoreInfo, Resume
+from .resume import Opener, RestoreInfo, Resume
 from .sentinel import Sentinel
 
 log = logging.getLogger("inmem_ft.capture")
@@ -534,11 +534,12 @@ class Snapshotter:
 
     # ---- restoring --------------------------------------------------------------------------------------
     def resume(self, layout: Topology | None = None, *, views: bool = False, defer_checks: bool = False,
-               reshard: bool = False, summary: bool = True, to_device: bool = False) -> Resume:
+               reshard: Opener | None = None, summary: bool = True, to_device: bool = False) -> Resume:
         """Collective: what this restart gets (capture/resume.py): the state of the newest step every rank holds
         intact (Resume.state, Resume.info), the newest snapshots of another layout than `layout` (default:
-        another world size) when those are newer (Resume.reshard, which the caller closes; with `reshard`, the
-        restore's agreement also settles which step a reshard reads), or nothing when no step was ever complete.
+        another world size) when those are newer (Resume.reshard, which the caller closes; with `reshard`, how
+        to open them, e.g. universal.reshard.FromMemory, the restore's agreement also settles which step a
+        reshard reads), or nothing when no step was ever complete.
         Raises NoUsableSnapshot when the job completed a step that is not intact on every rank (unless
         config.start_fresh).
 
@@ -570,7 +571,7 @@ class Snapshotter:
             self.reading(checks)
 
         return RestoreContext(self.rank, self.world_size, self.dp_rank, self.dp_size, self.config.node,
-                              self.config.socket_path, self.config.start_fresh, self._smp, self._agree,
+                              self.config.start_fresh, self._smp, self._agree,
                               self._dp_gloo, self._attach, self.resumed, self._start_fresh, defer, self.after_load)
 
     def _start_fresh(self) -> None:

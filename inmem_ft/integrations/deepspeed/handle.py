@@ -23,6 +23,7 @@ from ...errors import ConfigError
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
+from ...universal.reshard import FromMemory
 from . import moe, pipeline, reshard, shards, stock, support, tensor_parallel, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
@@ -238,8 +239,9 @@ class Handle:
         # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run behind
         # the load and the first forward/backward, and the wrapped step's fence takes their verdict; what lived
         # on the GPU comes back there (to_device), so the engine's load copies on the device
-        got = self.snap.resume(layout=self._layout(), views=True, defer_checks=True, summary=False, to_device=True,
-                               reshard=self.block.reshard != "never")
+        layout = self._layout()
+        got = self.snap.resume(layout=layout, views=True, defer_checks=True, summary=False, to_device=True,
+                               reshard=None if self.block.reshard == "never" else FromMemory.of(self.snap, layout))
         if got.reshard is not None:
             restored = self._load_resharded(got.reshard)
         elif got.state is not None:

@@ -182,8 +182,9 @@ class InmemCheckpointManager:
             self.restore_t0 = time.perf_counter()
             # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad; what lived on the
             # GPU comes back there (to_device).
-            got = self.snap.resume(layout=self._topology(0), views=True, reshard=self._reshard is not None,
-                                   summary=False, to_device=True)
+            layout = self._topology(0)
+            got = self.snap.resume(layout=layout, views=True, reshard=self._opener(layout), summary=False,
+                                   to_device=True)
             self._restored, self._source = got.state, got.reshard
             if got.reshard is not None:
                 if self._reshard is None:
@@ -196,6 +197,13 @@ class InmemCheckpointManager:
         if self.resharded is not None:
             return self.resharded.rs.step
         return self.snap.last_restore.step if self._restored is not None else NONE
+
+    def _opener(self, layout):
+        if self._reshard is None:
+            return None
+        from ...universal.reshard import FromMemory  # with its pyarrow, imported by install() where it reshards
+
+        return FromMemory.of(self.snap, layout)
 
     def load(self):
         if self.resharded is not None:
