@@ -30,14 +30,13 @@ class LayoutMismatch(InmemFTError):
 
 
 class LayoutChanged(LayoutMismatch):
-    """The newest snapshots in memory were taken on another parallel layout than this job's; `step` is the
-    newest such step. An adapter that reshards catches it; everyone else sees a LayoutMismatch. `opened`: what
-    the restore's `other` hook opened of them on this rank, when every rank opened the same step (the
-    restore's agreement settled it), else None."""
+    """The newest snapshots in memory were taken on another parallel layout than this job's, and this restore
+    does not reshard them (`"reshard": "never"`, or the plain Snapshotter API); `step` is the newest such
+    step. Nothing was discarded."""
 
-    def __init__(self, message: str, step: int, opened=None):
+    def __init__(self, message: str, step: int):
         super().__init__(message)
-        self.step, self.opened = step, opened
+        self.step = step
 
 
 class UnsafeType(InmemFTError, TypeError):

@@ -34,7 +34,8 @@ from . import fingerprint
 from .agreement import Agreement
 from .copier import Copier
 from .plans import PlanCache, StalePlan
-from .restore import NO_STEP, RestoreInfo, Restorer
+from .restore import NO_STEP, RestoreContext, Restorer
+from .resume import Opener, RestoreInfo, Resume
 from .sentinel import Sentinel
 
 log = logging.getLogger("inmem_ft.capture")
@@ -532,12 +533,15 @@ class Snapshotter:
         return self._attached[name]
 
     # ---- restoring --------------------------------------------------------------------------------------
-    def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False, other=None,
-                summary: bool = True, to_device: bool = False):
-        """Collective: the state of the newest step every rank holds intact, or None when no step was ever
-        complete. Raises NoUsableSnapshot when the job completed a step that is not intact on every rank
-        (unless config.start_fresh), LayoutChanged (a LayoutMismatch) when the newest snapshots were taken on
-        another layout than `layout` (default: another world size); `other`: see Restorer.
+    def resume(self, layout: Topology | None = None, *, views: bool = False, defer_checks: bool = False,
+               reshard: Opener | None = None, summary: bool = True, to_device: bool = False) -> Resume:
+        """Collective: what this restart gets (capture/resume.py): the state of the newest step every rank holds
+        intact (Resume.state, Resume.info), the newest snapshots of another layout than `layout` (default:
+        another world size) when those are newer (Resume.reshard, which the caller closes; with `reshard`, how
+        to open them, e.g. universal.reshard.FromMemory, the restore's agreement also settles which step a
+        reshard reads), or nothing when no step was ever complete.
+        Raises NoUsableSnapshot when the job completed a step that is not intact on every rank (unless
+        config.start_fresh).
 
         The state's tensors are private copies; with `views`, most of them view a copy-on-write mapping of the
         slots instead (no copy; a data-parallel peer's share views its slot's shared mapping, read-only for the
@@ -549,7 +553,33 @@ class Snapshotter:
         `to_device`: the tensors saved from an accelerator come back on the current device of that accelerator
         (copied by DMA out of the slot), the others in host memory; without it, all come back in host memory."""
         self.wait()
-        return Restorer(self, layout, other, summary).restore(views, defer_checks, to_device)
+        return Restorer(self._restore_context(), layout, reshard, summary).restore(views, defer_checks, to_device)
+
+    def restore(self, layout: Topology | None = None, views: bool = False, defer_checks: bool = False,
+                summary: bool = True, to_device: bool = False):
+        """Collective: resume()'s state, or None when no step was ever complete. Raises LayoutChanged (a
+        LayoutMismatch) when the newest snapshots were taken on another layout than `layout` (default: another
+        world size): this API does not reshard."""
+        got = self.resume(layout, views=views, defer_checks=defer_checks, summary=summary, to_device=to_device)
+        if got.reshard is not None:
+            got.reshard.refuse()
+        return got.state
+
+    def _restore_context(self) -> RestoreContext:
+        def defer(checks) -> None:
+            self.before_change(checks)
+            self.reading(checks)
+
+        return RestoreContext(self.rank, self.world_size, self.dp_rank, self.dp_size, self.config.node,
+                              self.config.start_fresh, self._smp, self._agree,
+                              self._dp_gloo, self._attach, self.resumed, self._start_fresh, defer, self.after_load)
+
+    def _start_fresh(self) -> None:
+        """Nothing to resume: the SMP keeps nothing for this rank's sake, and a supervisor hears step 0."""
+        self._smp.call("restored", rank=self.rank, step=None)
+        self._complete = None
+        if self._heartbeat:
+            self._heartbeat.beat(step=0, restored=None)
 
     def mapped_storages(self) -> set[int]:
         """Base addresses of the slot mappings of this process (what a restore with views hands out)."""

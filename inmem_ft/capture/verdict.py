@@ -59,8 +59,10 @@ class DeferredChecks:
     casts as soon as this rank's checks end (not at the fence: the vote then waits for the last rank's checks,
     not for the last rank to reach the fence). Calling it at the fence is the verdict."""
 
-    def __init__(self, snap, data, todo: list, where: str, step: int):
-        self.snap, self.data, self.todo, self.where, self.step = snap, data, todo, where, step
+    def __init__(self, ctx, data, todo: list, where: str, step: int):
+        """ctx: the restore's RestoreContext (its agreement, SMP client and rank)."""
+        self.ctx, self.data, self.todo, self.where, self.step = ctx, data, todo, where, step
+        self.info = None  # the restore's RestoreInfo, whose phases these checks add theirs to
         self.nbytes = sum(end - start for start, end, _, _ in todo)
         seg.check_bounds(data, todo, where, step)  # a malformed manifest fails the restore itself, not later
         self._thread: Armed | None = None
@@ -95,7 +97,7 @@ class DeferredChecks:
         t1 = time.perf_counter()
         self._seconds = t1 - t0
         try:
-            rows = self.snap._agree.gather([int(self._problem is None)])
+            rows = self.ctx.agree.gather([int(self._problem is None)])
             self._bad = [rank for rank, (ok,) in enumerate(rows) if not ok]
         except BaseException as e:  # raised at the fence
             self._vote_error = e
@@ -119,22 +121,22 @@ class DeferredChecks:
         waited = time.perf_counter() - t0
         if self._vote_error is not None:
             raise self._vote_error
-        info = self.snap.last_restore
+        info = self.info
         if info is not None:
             info.phases.update(verify_background=round(self._seconds, 4), verify_vote=round(self._vote_s, 4),
                                verify_wait=round(waited, 4))
         problem, bad = self._problem, self._bad
         if not bad:
             log.info("restore rank=%d step=%d event=verified bytes=%d background_s=%.3f vote_s=%.3f waited_s=%.3f",
-                     self.snap.rank, self.step, self.nbytes, self._seconds, self._vote_s, waited)
+                     self.ctx.rank, self.step, self.nbytes, self._seconds, self._vote_s, waited)
             return
         if isinstance(problem, SnapshotCorrupt):
-            log.warning("restore rank=%d step=%d event=corrupt: %s", self.snap.rank, self.step, problem)
+            log.warning("restore rank=%d step=%d event=corrupt: %s", self.ctx.rank, self.step, problem)
             try:  # so that a restart does not choose this copy again
-                self.snap._smp.call("corrupt", rank=self.snap.rank, step=self.step)
+                self.ctx.smp.call("corrupt", rank=self.ctx.rank, step=self.step)
             except InmemFTError as e:
                 log.warning("restore rank=%d step=%d event=corrupt_unreported: the SMP did not take the report "
-                            "(%s); a restart finds the bad region again and stops the same way", self.snap.rank,
+                            "(%s); a restart finds the bad region again and stops the same way", self.ctx.rank,
                             self.step, e)
             found = f"this rank's copy failed its checksums ({problem})"
         elif problem is not None:  # not a bad region: the slot is kept

@@ -4,7 +4,6 @@ SMP (this node's shared memory, another node's, or parity for a lost node) strai
 from __future__ import annotations
 
 import io
-import logging
 import math
 import time
 
@@ -13,14 +12,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import events
-from ..capture.restore import NO_STEP, RestoreInfo
+from ..capture.restore import NO_STEP
+from ..capture.resume import DCP_PREFIX, RestoreInfo, say
 from ..config import SnapshotConfig
 from ..errors import InmemFTError, StepIncomplete
 from ..universal.source import MemorySource
 from . import items, session
 
-log = logging.getLogger("inmem_ft.capture")
 
 
 class NoSnapshot(StepIncomplete):
@@ -136,8 +134,7 @@ class InmemStorageReader(StorageReader):
         snap, src = self.snapshotter, self._source
         read = dict(src.fragments.bytes_read)
         where = "parity" if read.get("parity") else "memory"
-        self.info = RestoreInfo(src.step, f"dcp-{where}", time.perf_counter() - self._t0, nbytes)
+        self.info = RestoreInfo(src.step, DCP_PREFIX + where, time.perf_counter() - self._t0, nbytes)
         snap.resumed(self.info)
-        events.emit(events.Source("rank", snap.config.node, snap.rank), "restore", "restore", say=log.warning,
-                    step=src.step, source=self.info.source, seconds=self.info.seconds, bytes=nbytes,
-                    **{f"bytes_{k}": v for k, v in sorted(read.items())})
+        say(snap.config.node, snap.rank, src.step, self.info.source, self.info.seconds, nbytes=nbytes,
+            bytes_by_where=read)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import InmemFTError, StepIncomplete
 from ..smp.client import SMPClient
@@ -77,6 +78,28 @@ class Resharding:
         self.source.close()
 
 
+@dataclass(frozen=True)
+class FromMemory:
+    """How a restore opens another layout's newest snapshots to reshard them into `layout` (the Opener of
+    capture/resume.py): from the slots the SMPs hold, through this rank's SMP."""
+
+    socket_path: str
+    layout: Topology
+    node: int | None
+    agree_min: Callable
+
+    @classmethod
+    def of(cls, snap, layout: Topology) -> FromMemory:
+        """For the restore of Snapshotter `snap`, on its job's SMPs and agreement group."""
+        return cls(snap.config.socket_path, layout, snap.config.node, snap.agree_min)
+
+    def alone(self) -> Resharding:
+        return open_newest(self.socket_path, self.layout, self.node)
+
+    def together(self) -> Resharding:
+        return open_memory(self.socket_path, self.layout, self.agree_min, self.node)
+
+
 def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = None) -> Resharding:
     """Collective over the new job (`agree_min(values) -> the smallest of every rank's, elementwise`): the old
     layout's newest step every old rank holds, the same on every new rank. `node`: this rank's node, whose
@@ -116,7 +139,7 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
 def open_newest(socket_path: str, new: Topology, node: int | None = None) -> Resharding:
     """This rank's open of the old layout's newest step every old rank holds, agreeing with no one: for a
     restore that settles, in the agreement it holds anyway, that every rank opened the same step
-    (Snapshotter.restore's `other`); open_memory otherwise."""
+    (FromMemory.alone, for Snapshotter.resume); open_memory otherwise."""
     t0 = time.perf_counter()
     rs = _open(socket_path, _listing(socket_path), new, node)
     rs.seconds["open"] = round(time.perf_counter() - t0, 4)

@@ -9,46 +9,28 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
-from ... import events
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
 from ...capture.events import Unreported
-from ...capture.restore import RestoreInfo
+from ...capture.resume import ReshardSource, RestoreInfo, Restored, say_fresh
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
-from ...deprecation import Tier
-from ...errors import ConfigError, LayoutChanged
+from ...errors import ConfigError
 from ...smp import paths
 from ...snapshot import Replicated, Topology, annotate
 from ...snapshot.topology import hyperparameters
-from ...universal.reshard import open_memory, open_newest
+from ...universal.reshard import FromMemory
 from . import moe, pipeline, reshard, shards, stock, support, tensor_parallel, types
 from .engine import MODEL_STATES, InMemCheckpointEngine
 
 log = logging.getLogger("inmem_ft.deepspeed")
-MEMORY_RESHARDED = "memory_resharded"
 # The fp32 master partitions of a ZeRO optimizer, and the key its checkpoint saves them under (ZeRO-1/2, ZeRO-3).
 FP32_PARTITIONS = (("single_partition_of_fp32_groups", SINGLE_PARTITION_OF_FP32_GROUPS),
                    ("fp32_partitioned_groups_flat", FP32_FLAT_GROUPS))
-
-
-@dataclass
-class Restored:
-    step: int
-    tier: str  # the restore line's source: memory | peer_memory | peer_reconstruction | disk | memory_resharded
-    seconds: float
-    extras: Any  # what extra_state() returned when the snapshot was taken, on this rank (resharded: see
-    # inmem_ft/universal/reshard.py for which old rank's)
-    tag: str
-    phases: dict = field(default_factory=dict)
-    """Seconds per phase of the restore (memory: list, agree, copy_verify, replicated, unpack; engine)."""
-    resharded: dict | None = None
-    """From another layout: {from, to, bytes_memory, bytes_parity} (layouts as Topology.layout())."""
 
 
 class Handle:
@@ -253,34 +235,22 @@ class Handle:
     # ---- restoring ----------------------------------------------------------------------------------------
     def _restore(self) -> Restored | None:
         """Collective: load the newest step complete in some tier; every rank loads the same one."""
-        t0, config = time.perf_counter(), self.snap.config
-        try:
-            # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run
-            # behind the load and the first forward/backward, and the wrapped step's fence takes their verdict;
-            # what lived on the GPU comes back there (to_device), so the engine's load copies on the device
-            state = self.snap.restore(layout=self._layout(), views=True, defer_checks=True, summary=False,
-                                      to_device=True,
-                                      other=None if self.block.reshard == "never"
-                                      else lambda: open_newest(config.socket_path, self._layout(), config.node))
-        except LayoutChanged as e:
-            if self.block.reshard == "never":
-                raise
-            return self._finish(self._load_resharded(lambda: e.opened or open_memory(
-                config.socket_path, self._layout(), self.snap.agree_min, config.node)), t0)
-        if state is not None:
-            return self._finish(self._load_memory(state), t0)
-        log.info("restore rank=%d step=none source=none: starting from scratch", self.rank)
-        return None
-
-    def _finish(self, restored: Restored, t0: float) -> Restored:
+        t0 = time.perf_counter()
+        # views: the engine copies what it keeps (_load_memory); the checksums of the large regions run behind
+        # the load and the first forward/backward, and the wrapped step's fence takes their verdict; what lived
+        # on the GPU comes back there (to_device), so the engine's load copies on the device
+        layout = self._layout()
+        got = self.snap.resume(layout=layout, views=True, defer_checks=True, summary=False, to_device=True,
+                               reshard=None if self.block.reshard == "never" else FromMemory.of(self.snap, layout))
+        if got.reshard is not None:
+            restored = self._load_resharded(got.reshard)
+        elif got.state is not None:
+            restored = self._load_memory(got.state)
+        else:
+            say_fresh(self.rank, log)
+            return None
         restored.seconds = time.perf_counter() - t0
-        resharded = restored.resharded or {}
-        layouts = {k: resharded[k] for k in ("from", "to") if k in resharded}
-        # WARNING: the one line per rank that says where training resumed from, shown with no logging set up.
-        events.emit(events.Source("rank", self.snap.config.node, self.rank), "restore", "restore", say=log.warning,
-                    step=restored.step, source=str(restored.tier), **layouts, seconds=restored.seconds,
-                    **{f"{k}_s": v for k, v in restored.phases.items()},
-                    **{k: v for k, v in resharded.items() if k.startswith("bytes")})
+        restored.say(self.snap.config.node, self.rank, log)
         return restored
 
     def _load_memory(self, state: dict, *a, **kw) -> Restored:
@@ -324,7 +294,7 @@ class Handle:
             del self.engine._get_all_ckpt_names
             self.ckpt.serve(None)
         phases = {**self.snap.last_restore.phases, "engine": round(time.perf_counter() - t0, 4)}
-        return Restored(state["step"], Tier(self.snap.last_restore.source), 0.0, extras, tag, phases)
+        return Restored.in_place(self.snap.last_restore, 0.0, phases, extras=extras, tag=tag)
 
     def _adopt_partitions(self, files: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Point the engine's fp32 master partitions at the restored ones where they match. Those are views of a
@@ -374,23 +344,19 @@ class Handle:
         flat.data = buffer.data = master.data
         return [had]
 
-    def _load_resharded(self, open_source) -> Restored:
+    def _load_resharded(self, source: ReshardSource) -> Restored:
         """The step to restore was taken on another layout: every rank builds its state from it (collective)."""
         t0 = time.perf_counter()
-        rs = open_source()  # first: the restore may have opened it already, and a refusal below must close it
-        try:
+        with source:  # a refusal below lets go of what the restore opened, too
+            rs = source.open()
             pipeline.check_reshard(self.engine, rs.old.pp)
             reshard.check_target(self.engine)
             got = reshard.load(self.engine, rs, self.snap.agree_min, self.pipe or self.moe or reshard.ModuleKeys,
                                boxes=self.tp)
-        finally:
-            rs.close()
-        phases = {**rs.seconds, **got["seconds"]}
-        # the SMPs keep that step until a newer one is complete
-        self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, time.perf_counter() - t0,
-                                      sum(rs.bytes_read.values()), None, phases))
-        return Restored(rs.step, Tier(MEMORY_RESHARDED), 0.0, got["extras"], stock.tag_of(rs.step), phases,
-                        rs.describe())
+            phases = {**rs.seconds, **got["seconds"]}
+            # the SMPs keep that step until a newer one is complete
+            self.snap.resumed(RestoreInfo.resharded(rs, time.perf_counter() - t0, phases))
+            return Restored.from_reshard(rs, 0.0, phases, extras=got["extras"], tag=stock.tag_of(rs.step))
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -21,25 +21,13 @@ import importlib
 import logging
 import os
 import time
-from dataclasses import dataclass
 
-from ... import events
-from ...deprecation import Tier
+from ..._lazy import exporter
 from .args import add_args, block_from_args
 
 log = logging.getLogger("inmem_ft.megatron")
-MEMORY_RESHARDED = "memory_resharded"
-
-
-@dataclass
-class Restored:
-    step: int
-    tier: str  # the restore line's source: memory | peer_memory | peer_reconstruction | memory_resharded
-    seconds: float  # restore from the SMP plus Megatron's load into model and optimizer
-    phases: dict | None = None  # seconds per phase: to set up (snapshotter, layout: before `seconds` starts),
-    # then from memory the restore's (RestoreInfo.phases) and megatron_load; resharded: to find the snapshots
-    # are of another layout, to open its catalog (within the restore attempt when every rank could) and to
-    # read this rank's share
+# Restored is capture's (its import brings torch): Megatron's entry script imports this module before torch.
+__getattr__ = exporter(__name__, {"Restored": "...capture.resume"})
 
 
 class Handle:
@@ -77,8 +65,7 @@ class Handle:
         self.manager = InmemCheckpointManager(
             self.snap, self.args.non_persistent_local_ckpt_dir, self.layout.topology,
             deduplicated=self.args.non_persistent_local_ckpt_algo == "fully_parallel",
-            extra_specs=self._extra_specs, **({"reshard": self._reshard, "other": self._open_other}
-                                              if self.block.reshard == "auto" else {}))
+            extra_specs=self._extra_specs, reshard=self._reshard if self.block.reshard == "auto" else None)
         checkpointing_context["local_checkpoint_manager"] = self.manager
         if self.manager.find_latest() != NONE:  # collective: every rank is in load_checkpoint now
             patch.fill_empty_optimizer_state(optimizer)
@@ -86,58 +73,42 @@ class Handle:
         inner = [o.optimizer for o in chained if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
         return PrivateAfterLoad(self.snap, inner, unwrap_model(model), defer=True)  # not DDP: its .buffers is a list
 
-    def _open_other(self):
-        """This rank's open of the newest snapshots of another layout, during the restore (see Restorer)."""
-        from ...universal.reshard import open_newest
-
-        return open_newest(self.snap.config.socket_path, self.layout.topology(0), self.snap.config.node)
-
-    def _reshard(self, opened):
-        """The newest snapshots are of another layout (`reshard: auto`): what the restore opened of them when
-        every rank opened the same step, else open them now (collective)."""
-        from ...universal.reshard import open_memory
+    def _reshard(self, source):
+        """The newest snapshots are of another layout (`reshard: auto`): a ReshardedLoad of them (collective;
+        `source`: the restore's ReshardSource, which the manager closes)."""
         from .reshard import ReshardedLoad
 
-        config = self.snap.config
         attempt = time.perf_counter() - self.manager.restore_t0  # the listing and agreement, less the open in it
-        self._setup_s["restore_attempt"] = round(attempt - (opened.seconds["open"] if opened else 0.0), 4)
-        rs = opened or open_memory(config.socket_path, self.layout.topology(0), self.snap.agree_min, config.node)
+        rs = source.open()
+        self._setup_s["restore_attempt"] = round(attempt - (rs.seconds["open"] if source.settled else 0.0), 4)
         return ReshardedLoad(rs, self.layout, self.snap.agree_min)
 
     def _after_load(self, model, optimizer, iteration: int) -> None:
-        from ...capture.restore import RestoreInfo
+        from ...capture.resume import RestoreInfo, Restored, say_framework_disk, say_fresh
         from . import patch
 
         patch.restore_adam_steps(optimizer)
         patch.fence_before_step(optimizer, self._fence)
         resharded = self.manager.resharded
         served = self.manager.release()
-        by = events.Source("rank", self.snap.config.node, self.snap.rank)
         if served and resharded is not None:
             rs, seconds = resharded.rs, time.perf_counter() - self.manager.restore_t0
-            info = rs.describe()
             # The SMPs keep the old layout's step until this layout completes a newer one.
-            self.snap.resumed(RestoreInfo(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None,
-                                          dict(rs.seconds)))
-            self.restored = Restored(rs.step, Tier(MEMORY_RESHARDED), seconds, {**self._setup_s, **rs.seconds})
-            events.emit(by, "restore", "restore", say=log.warning, step=rs.step, source=MEMORY_RESHARDED,
-                        **{"from": info["from"], "to": info["to"]}, seconds=seconds,
-                        **{f"{k}_s": v for k, v in rs.seconds.items()},
-                        **{k: v for k, v in info.items() if k.startswith("bytes")})
+            self.snap.resumed(RestoreInfo.resharded(rs, seconds, rs.seconds))
+            self.restored = Restored.from_reshard(rs, seconds, {**self._setup_s, **rs.seconds})
+            self.restored.say(self.snap.config.node, self.snap.rank, log)
         elif served:
             info = self.snap.last_restore
             seconds = time.perf_counter() - self.manager.restore_t0
             # Everything after the snapshot was back: Megatron's load_checkpoint of it (our translation, its
             # to_state_dict, the model's and optimizer's load_state_dict) and the step fix above.
             phases = {**self._setup_s, **info.phases, "megatron_load": round(seconds - info.seconds, 4)}
-            self.restored = Restored(info.step, Tier(info.source), seconds, phases)
-            events.emit(by, "restore", "restore", say=log.warning, step=info.step, source=info.source,
-                        seconds=seconds, **{f"{k}_s": v for k, v in phases.items()})
+            self.restored = Restored.in_place(info, seconds, phases)
+            self.restored.say(self.snap.config.node, self.snap.rank, log)
         elif iteration:  # Megatron found a newer persistent checkpoint under --load and took it
-            log.warning("restore rank=%d step=%d source=disk: Megatron's --load checkpoint", self.snap.rank,
-                        iteration)
+            say_framework_disk(self.snap.rank, iteration, "Megatron's --load checkpoint", log)
         else:
-            log.info("restore rank=%d step=none source=none: starting from scratch", self.snap.rank)
+            say_fresh(self.snap.rank, log)
 
     def _observe(self, iteration: int, loss_dict: dict, grad_norm, skipped: bool) -> None:
         """Each iteration's loss (the loss dict's first entry) and grad norm to the check after a restore

@@ -21,7 +21,6 @@ import time
 from operator import attrgetter
 
 from ...capture import Snapshotter
-from ...errors import LayoutChanged
 from ...snapshot import ShardSpec, Sharded
 
 NONE = -1
@@ -145,15 +144,16 @@ class InmemCheckpointManager:
     """find_latest / save / load, as Megatron calls nvidia-resiliency-ext's LocalCheckpointManager."""
 
     def __init__(self, snap: Snapshotter, local_ckpt_dir: str, topology, *, deduplicated: bool,
-                 extra_specs=lambda sh: (), reshard=None, other=None):
+                 extra_specs=lambda sh: (), reshard=None):
         """topology(iteration) -> the Topology record of a snapshot (also this job's layout, which restore
-        compares); extra_specs: see to_tree; reshard(opened) -> a ReshardedLoad of the newest snapshots of
-        another layout (collective; `opened`: LayoutChanged.opened), or None to keep the LayoutChanged error;
-        other: the restore's hook that opens them (Snapshotter.restore)."""
+        compares); extra_specs: see to_tree; reshard(source) -> a ReshardedLoad of the newest snapshots of
+        another layout (collective; `source`: the restore's capture.resume.ReshardSource), or None to stop with
+        LayoutChanged instead."""
         self.snap, self.local_ckpt_dir = snap, local_ckpt_dir  # the dir only appears in Megatron's log lines
         self._topology, self._deduplicated, self._extra_specs = topology, deduplicated, extra_specs
-        self._reshard, self._other = reshard, other
+        self._reshard = reshard
         self._restored: dict | None = None
+        self._source = None  # the ReshardSource the ReshardedLoad reads through, closed by release()
         self.resharded = None  # the ReshardedLoad, when the snapshot was of another layout
         self._described = Described()  # to_tree's, kept across saves
         self._looked = self._served = False
@@ -180,18 +180,30 @@ class InmemCheckpointManager:
         if not self._looked:
             self._looked = True
             self.restore_t0 = time.perf_counter()
-            try:
-                # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad; what lived on the
-                # GPU comes back there (to_device).
-                self._restored = self.snap.restore(layout=self._topology(0), views=True, other=self._other,
-                                                    summary=False, to_device=True)
-            except LayoutChanged as e:
+            # Views of the slots: the Handle runs Megatron's load inside PrivateAfterLoad; what lived on the
+            # GPU comes back there (to_device).
+            layout = self._topology(0)
+            got = self.snap.resume(layout=layout, views=True, reshard=self._opener(layout), summary=False,
+                                   to_device=True)
+            self._restored, self._source = got.state, got.reshard
+            if got.reshard is not None:
                 if self._reshard is None:
+                    got.reshard.refuse()
+                try:
+                    self.resharded = self._reshard(got.reshard)
+                except BaseException:
+                    got.reshard.close()
                     raise
-                self.resharded = self._reshard(e.opened)
         if self.resharded is not None:
             return self.resharded.rs.step
         return self.snap.last_restore.step if self._restored is not None else NONE
+
+    def _opener(self, layout):
+        if self._reshard is None:
+            return None
+        from ...universal.reshard import FromMemory  # with its pyarrow, imported by install() where it reshards
+
+        return FromMemory.of(self.snap, layout)
 
     def load(self):
         if self.resharded is not None:
@@ -207,6 +219,6 @@ class InmemCheckpointManager:
         """After Megatron's load: drop the restored copy. True if Megatron loaded it (it takes a newer
         persistent checkpoint under --load instead, if there is one)."""
         self._restored = None
-        if self.resharded is not None:
-            self.resharded.rs.close()
+        if self._source is not None:
+            self._source.close()
         return self._served
