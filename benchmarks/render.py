@@ -288,14 +288,6 @@ def render_page(with_plots: bool = True) -> str:
     return "\n\n".join(parts)
 
 
-def _restart(figures: dict, disk: str) -> str:
-    """Restart to first step done (restore + first step against the disk load + first step), where measured."""
-    if figures.get("restore_then_step_s") is None or figures.get("disk_then_step_s") is None:
-        return ""
-    return (f" (restart to first step done: {_fmt(figures['restore_then_step_s'], '_s')} against "
-            f"{_fmt(figures['disk_then_step_s'], '_s')} with {disk})")
-
-
 def readme_block() -> str:
     """The headline figures for the README, each with the machine it was measured on."""
     results = load()
@@ -312,7 +304,6 @@ def readme_block() -> str:
                 if st.get("restore_s") is not None and st.get("disk_load_s") is not None:
                     line += (f"; restore {_fmt(st['restore_s'], '_s')} against "
                              f"{_fmt(st['disk_load_s'], '_s')} for `load_checkpoint`")
-                line += _restart(st, "`load_checkpoint`")
                 lines.append(line + " ¹")
     mg = results.get("megatron_save")
     if mg:
@@ -320,8 +311,7 @@ def readme_block() -> str:
         lines.append(f"- Megatron-Core, TP={model.get('tp')}, {model.get('layers')} layers x {model.get('hidden')}: "
                      f"training blocked {_fmt(mg['inmem_blocking_s'], '_s')} per snapshot "
                      f"against {_fmt(mg['torch_dist_sync_s'], '_s')} for a sync `torch_dist` save; restore "
-                     f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk"
-                     f"{_restart(mg, 'the disk load')} ²")
+                     f"{_fmt(mg['restore_s'], '_s')} against {_fmt(mg['disk_load_s'], '_s')} from disk ²")
     pipe = results.get("deepspeed_pipe_save")
     if pipe:
         lines.append(f"- DeepSpeed pipeline PP{pipe['pp']} x DP{pipe['dp']}, ZeRO-{pipe['zero_stage']}, "
