@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import pathlib
+import resource
 import shutil
 import signal
 import statistics
@@ -118,6 +119,64 @@ def slowest(value):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     v = float(t.item())
     return None if v != v else v
+
+
+class Meter:
+    """`with Meter() as m: ...`: the block's wall time, the process's CPU time over it (all threads: what a
+    background thread does meanwhile is charged) and its page faults (minor: a page mapped or copied on first
+    touch; major: read from a file), from getrusage."""
+
+    def __enter__(self):
+        self._t0, self._r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        return self
+
+    def __exit__(self, *exc):
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        self.seconds = time.perf_counter() - self._t0
+        self.cpu_s = (r1.ru_utime + r1.ru_stime) - (self._r0.ru_utime + self._r0.ru_stime)
+        self.minflt, self.majflt = r1.ru_minflt - self._r0.ru_minflt, r1.ru_majflt - self._r0.ru_majflt
+        return False
+
+    def figures(self) -> dict:
+        return {"s": self.seconds, "cpu_s": self.cpu_s, "minflt": self.minflt, "majflt": self.majflt}
+
+
+def first_step(engine, x, fence=None) -> dict:
+    """One training step, timed and counted per part (forward, backward, `fence()` if given, the optimizer
+    step), then a second one: {"step_s": wall time of the first, "phases": {part: Meter.figures()}}."""
+    phases, t0 = {}, time.perf_counter()
+    with Meter() as m:
+        loss = engine(x)
+    phases["forward"] = m.figures()
+    with Meter() as m:
+        engine.backward(loss)
+    phases["backward"] = m.figures()
+    if fence is not None:
+        with Meter() as m:
+            fence()
+        phases["fence"] = m.figures()
+    with Meter() as m:
+        engine.step()
+    phases["optimizer_step"] = m.figures()
+    seconds = time.perf_counter() - t0
+    # The step after it, for comparison: what of the first step's time a step costs anyway.
+    with Meter() as m:
+        train_step(engine, x)
+    phases["second_step"] = m.figures()
+    return {"step_s": seconds, "phases": phases}
+
+
+def slowest_phases(phases: dict) -> dict:
+    """{part: {figure: the slowest rank's}} in one all-reduce (every rank has the same parts and figures)."""
+    import torch
+    import torch.distributed as dist
+    keys = [(p, f) for p, figs in phases.items() for f in figs]
+    t = torch.tensor([float(phases[p][f]) for p, f in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out: dict = {}
+    for (p, f), v in zip(keys, t.tolist()):
+        out.setdefault(p, {})[f] = round(v, 4) if f.endswith("s") else int(v)
+    return out
 
 
 def train_step(engine, x) -> float:
@@ -385,6 +444,9 @@ def measure_inmem(args, adapter) -> dict:
     set_interval(handle, 10**9) if set_interval_ok else None
     handle.wait()
     out["inmem_step"] = engine.global_steps
+    if not args.tag:  # --phases without save: the load phase's disk checkpoint, by DeepSpeed's own engine
+        engine.save_checkpoint(os.path.join(args.disk_dir, f"zero{args.stage}", "torch"), tag="inmem")
+        out["torch_engine_tag"] = "inmem"
     handle.close()
     return out
 
@@ -401,11 +463,14 @@ def phase_load(args) -> dict:
     if args.load_kind == "disk":
         engine = build_engine(args, interval=1)
         dist.barrier()
-        t0 = time.perf_counter()
-        path, _ = engine.load_checkpoint(os.path.join(args.disk_dir, f"zero{args.stage}", "torch"), tag=args.tag)
-        res["disk_load_s"] = slowest(time.perf_counter() - t0)
+        with Meter() as load:
+            path, _ = engine.load_checkpoint(os.path.join(args.disk_dir, f"zero{args.stage}", "torch"), tag=args.tag)
         assert path is not None, "load_checkpoint found nothing"
-        res["first_step_after_disk_load_s"] = slowest(train_step(engine, x))
+        first = first_step(engine, x)
+        res["disk_load_s"] = slowest(load.seconds)
+        res["first_step_after_disk_load_s"] = slowest(first["step_s"])
+        res["disk_then_step_s"] = slowest(load.seconds + first["step_s"])
+        res["disk_first_step_phases"] = slowest_phases({"load": load.figures(), **first["phases"]})
         return res
     adapter, why = load_adapter()
     if adapter is None:
@@ -424,28 +489,24 @@ def restore(args, x, adapter) -> dict:
     import torch.distributed as dist
     engine = build_engine(args, interval=10**9)
     dist.barrier()
-    t0 = time.perf_counter()
-    handle = adapter.install(engine)
-    call = time.perf_counter() - t0
+    with Meter() as call:
+        handle = adapter.install(engine)
     restored = getattr(handle, "restored", None)
     # What of the restore runs behind the first forward/backward (the checksums of the large regions and the
-    # copy-out of what the optimizer keeps) and what the first optimizer step still waits for at its fence
-    # (those, and the ranks' verdict on the checksums): training is blocked for the call plus that wait, as
-    # for a save.
-    t1 = time.perf_counter()
-    loss = engine(x)
-    engine.backward(loss)
-    t2 = time.perf_counter()
-    handle.snap.fence()
-    wait = time.perf_counter() - t2
-    engine.step()
-    first = time.perf_counter() - t1
+    # pages the restored state is given) and what the first optimizer step still waits for at its fence (those,
+    # and the ranks' verdict on the checksums): all of it is inside the first step's time, which the headline
+    # adds to the install() call (restore_then_step_s), as disk_then_step_s adds it to the disk load.
+    first = first_step(engine, x, fence=handle.snap.fence)
+    wait = first["phases"]["fence"]["s"]
     # The checks' own time in the background and their share of the wait, as the verdict recorded them.
     deferred = {k: v for k, v in handle.snap.last_restore.phases.items() if k.startswith("verify_")}
     phases = {**getattr(restored, "phases", {}), **deferred, "fence_wait": round(wait, 4)}
     handle.close()
-    return {"restore_s": slowest(call + wait), "restore_call_s": slowest(call), "restore_fence_wait_s": slowest(wait),
-            "first_step_after_restore_s": slowest(first), "restore_tier": str(getattr(restored, "tier", restored)),
+    return {"restore_s": slowest(call.seconds + wait), "restore_call_s": slowest(call.seconds),
+            "restore_fence_wait_s": slowest(wait), "first_step_after_restore_s": slowest(first["step_s"]),
+            "restore_then_step_s": slowest(call.seconds + first["step_s"]),
+            "restore_first_step_phases": slowest_phases({"install": call.figures(), **first["phases"]}),
+            "restore_tier": str(getattr(restored, "tier", restored)),
             "restore_reported_s": slowest(getattr(restored, "seconds", None)),
             # The restore's own breakdown (slowest rank per phase): where a restore's time goes.
             "restore_phases": {k: slowest(v) for k, v in sorted(phases.items())}}
@@ -456,16 +517,24 @@ def merge_load_runs(runs: list[dict]) -> dict:
     and restore, and the breakdown of the run whose restore was the median one."""
     out = {"skipped": {k: v for run in runs for k, v in run.get("skipped", {}).items()}}
     for key in ("disk_load_s", "first_step_after_disk_load_s", "restore_s", "restore_call_s",
-                "restore_fence_wait_s", "first_step_after_restore_s", "restore_reported_s"):
+                "restore_fence_wait_s", "first_step_after_restore_s", "restore_reported_s", "disk_then_step_s",
+                "restore_then_step_s"):
         values = [run[key] for run in runs if run.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
-            if key in ("disk_load_s", "restore_s"):
+            if key in ("disk_load_s", "restore_s", "disk_then_step_s", "restore_then_step_s"):
                 out[key.replace("_s", "_runs")] = values
     mine = sorted([run for run in runs if run.get("restore_s") is not None], key=lambda run: run["restore_s"])
     if mine:
         median_run = mine[(len(mine) - 1) // 2]
         out["restore_phases"], out["restore_tier"] = median_run["restore_phases"], median_run["restore_tier"]
+    # The first step's parts (time, CPU time, page faults) in the run whose restore + first step, or disk load +
+    # first step, was the median one.
+    for kind in ("restore", "disk"):
+        spans = sorted([run for run in runs if run.get(f"{kind}_then_step_s") is not None],
+                       key=lambda run: run[f"{kind}_then_step_s"])
+        if spans:
+            out[f"{kind}_first_step_phases"] = spans[(len(spans) - 1) // 2][f"{kind}_first_step_phases"]
     return out
 
 
@@ -592,7 +661,11 @@ def worker(args) -> None:
 # Driver
 # ---------------------------------------------------------------------------------------------------------
 
-ROWS = [("inmem_blocking_s", "inmem_ft: training blocked (save call + wait before the next step)"),
+ROWS = [("restore_then_step_vs_disk", "restart to first step done: (restore + first step) / (disk load + "
+          "first step) (goal <= 0.5)"),
+        ("restore_then_step_s", "  inmem_ft restore (install() call) + first training step"),
+        ("disk_then_step_s", "  engine.load_checkpoint from local disk + first training step"),
+        ("inmem_blocking_s", "inmem_ft: training blocked (save call + wait before the next step)"),
         ("inmem_save_call_s", "  of which: handle.snapshot() call"),
         ("torch_engine_s", "DeepSpeed TorchCheckpointEngine save_checkpoint"),
         ("fast_python_s", "DeepSpeed FastCheckpointEngine, python writer"),
@@ -628,7 +701,7 @@ RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums before t
                   ("wait at the first step's fence", ("fence_wait",)),
                   ("  of which for this rank's checksums", ("verify_wait",)),
                   ("  of which for the ranks' vote (the last rank to reach the fence)", ("verify_vote",))]
-RATIOS = ("step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
+RATIOS = ("restore_then_step_vs_disk", "step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
           "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
 # Rows printed even when no stage has them (with the reason), so that a missing figure is never silent.
 ALWAYS = INMEM_KEYS + ("ratio_vs_torch_engine", "dlrover_memory_save_s", "dlrover_disk_save_s", "dlrover_restore_s",
@@ -663,6 +736,12 @@ def print_table(results: dict) -> None:
             named += [(k, v) for k, v in phases.items() if k not in known]
             print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
                   + ", ".join(f"{label} {v:.3f} s" for label, v in named))
+        for kind, label in (("restore", "after the inmem_ft restore"), ("disk", "after the disk load")):
+            parts = results["stages"][s].get(f"{kind}_first_step_phases")
+            if parts:
+                print(f"  ZeRO-{s} {label}, per part (s / CPU s / minor faults / major faults): "
+                      + ", ".join(f"{p} {f['s']:.3f}/{f['cpu_s']:.3f}/{f['minflt']}/{f['majflt']}"
+                                  for p, f in parts.items()))
         if results["stages"][s].get("dlrover_restore_exact") is False:
             print(f"  ZeRO-{s} DLRover's restore did not come back bit-identically (step or losses differ)")
     skips = {}  # one line per reason, naming the stages it applies to
@@ -841,6 +920,7 @@ def main() -> int:
                 res["step_overhead_interval10_estimated"] = True
             for key, ours, theirs in (("ratio_vs_torch_engine", "inmem_blocking_s", "torch_engine_s"),
                                       ("restore_vs_disk_load", "restore_s", "disk_load_s"),
+                                      ("restore_then_step_vs_disk", "restore_then_step_s", "disk_then_step_s"),
                                       ("ratio_vs_dlrover_memory", "inmem_blocking_s", "dlrover_memory_save_s"),
                                       ("restore_vs_dlrover", "restore_s", "dlrover_restore_s"),
                                       ("restore_vs_dlrover_load", "restore_s", "dlrover_restore_load_s")):

@@ -56,3 +56,23 @@ def test_pipeline_case_prints_its_ratio_plots_and_renders(bench, monkeypatch, ca
     pipe.plot(results, str(tmp_path / "pipe.png"))
     assert (tmp_path / "pipe.png").stat().st_size > 0
     assert "| DeepSpeed TorchCheckpointEngine save_checkpoint | 3.000 s |" in render.deepspeed_pipe_save(results)
+
+
+def test_restart_headline_and_the_first_steps_parts(bench, capsys):
+    """The headline is restart to first step done; each first step's parts (time, CPU time, page faults) are
+    those of the run whose span was the median one."""
+    def run(kind: str, span: float) -> dict:
+        parts = {"forward": {"s": span, "cpu_s": 0.1, "minflt": int(span * 1000), "majflt": 0}}
+        return {f"{kind}_then_step_s": span, f"{kind}_first_step_phases": parts}
+
+    merged = bench.merge_load_runs([run("disk", 4.0), run("restore", 3.0), run("disk", 5.0), run("restore", 2.0),
+                                    run("disk", 6.0), run("restore", 2.5)])
+    assert merged["disk_then_step_s"] == 5.0 and merged["restore_then_step_s"] == 2.5
+    assert merged["restore_first_step_phases"]["forward"]["minflt"] == 2500
+    results = {"params": 100.7e6, "ranks": 2, "repeats": 2, "quick": True,
+               "stages": {"1": {**stage({}), **merged, "restore_then_step_vs_disk": 0.5}}}
+    bench.print_table(results)
+    out = capsys.readouterr().out
+    assert re.search(r"^  restore_then_step_vs_disk .* 0\.500$", out, re.M), out
+    assert "ZeRO-1 after the inmem_ft restore, per part (s / CPU s / minor faults / major faults): " \
+           "forward 2.500/0.100/2500/0" in out
