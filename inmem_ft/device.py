@@ -169,6 +169,12 @@ def set_rng_states(state: dict) -> None:
         backend.set_rng_state_all([s.clone() for s in state[kind]])
 
 
+def initialized() -> bool:
+    """Whether this process holds an accelerator context: a fork of it could not use the device. Asks each
+    backend torch has without starting one (torch.accelerator.is_available() may probe the driver)."""
+    return any(getattr(getattr(torch, name, None), "is_initialized", lambda: False)() for name in ("cuda", "xpu"))
+
+
 def _backend():
     """torch's module of the accelerator (torch.cuda, torch.xpu), or None without one."""
     if not torch.accelerator.is_available():

@@ -40,9 +40,11 @@ def unforkable() -> str | None:
     if others:
         return (f"the zygote runs {len(others)} more threads ({', '.join(sorted(set(others)))}) after importing the "
                 "ranks' modules (a fork copies only one): standbys are spawned instead")
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "the zygote's imports initialised CUDA (a fork cannot carry a device context): standbys are spawned"
+    if "torch" in sys.modules:
+        from .. import device  # here: the zygote imports torch when it chooses to
+
+        if device.initialized():
+            return "the zygote's imports started the accelerator (a fork cannot carry a device context): standbys are spawned"
     return None
 
 
