@@ -170,9 +170,11 @@ def test_spare_wait_is_checked_and_becomes_torchs_last_call_after_the_start(monk
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
     monkeypatch.setenv("INMEM_FT_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("INMEM_FT_SMP_SOCKET", raising=False)
     base = ["--job", "j", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:1", "x.py"]
     args = run.parser().parse_args(["--nnodes", "2:3", "--spare-wait", "7", *base])
     assert (run.options(args).nodes, run.options(args).spare_wait_s) == ((2, 3), 7)
+    assert "INMEM_FT_SMP_SOCKET" not in os.environ  # reading the options leaves the process as it was
     assert run.options(run.parser().parse_args(["--nnodes", "3", *base])).nodes == (3, 3)
     with pytest.raises(InmemFTError, match="a node range needs the c10d rendezvous"):
         run.options(run.parser().parse_args(["--nnodes", "2:3", "--max-restarts", "0", "--job", "j", "x.py"]))

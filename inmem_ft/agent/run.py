@@ -122,9 +122,10 @@ def options(args):
     if not node.isdigit():
         raise InmemFTError(f"INMEM_FT_NODE / --node-rank {node!r} must be a non-negative integer")
     node = int(node)
-    os.environ.setdefault("INMEM_FT_SMP_SOCKET", paths.default_socket(job, node))
+    # The agent exports the socket to its SMP and ranks once it runs (agent.run); reading options changes nothing.
+    socket = os.environ.get("INMEM_FT_SMP_SOCKET") or paths.default_socket(job, node)
     work_dir = args.work_dir or os.path.join(paths.job_dir(job), f"agent-node{node}")
-    return AgentOptions(job=job, node=node, socket=os.environ["INMEM_FT_SMP_SOCKET"],
+    return AgentOptions(job=job, node=node, socket=socket,
                         memory_budget=args.memory_budget, smp_args=shlex.split(args.smp_args),
                         hang_timeout_s=args.hang_timeout, dump_wait_s=args.dump_wait,
                         work_dir=os.path.abspath(work_dir), wipe_on_exit=args.wipe_on_exit, standbys=args.standbys,
