@@ -27,8 +27,13 @@ def add_run_args(p: argparse.ArgumentParser, *, hidden: int = 64, dump_help: str
     p.add_argument("--dump-step", type=int, default=None,
                    help="with --dump-full: after this step (or right after the restore of it)")
     p.add_argument("--loss-log", default=None, help="JSON lines of (step, loss) (default: $INMEM_FT_LOSS_LOG)")
+    add_failure_args(p)
+
+
+def add_failure_args(p: argparse.ArgumentParser) -> None:
+    """The failure injection the tests use: every example that calls parse() and die_if_asked() has these."""
     p.add_argument("--die-at", type=int, default=None,
-                   help="failure injection: SIGKILL self after this step (first torchrun attempt only)")
+                   help="failure injection: SIGKILL self after this step (in the attempt --die-attempt names)")
     p.add_argument("--die-rank", type=int, default=0)
     p.add_argument("--die-attempt", type=int, default=0,
                    help="with --die-at: the attempt it applies to, as torch elastic counts restarts (default: 0, the "
@@ -40,7 +45,8 @@ def add_run_args(p: argparse.ArgumentParser, *, hidden: int = 64, dump_help: str
 
 def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
     args = p.parse_args()
-    if args.dump_full:  # one dump per attempt where the path asks for it (a shrink's restart dumps the restore)
+    if getattr(args, "dump_full", None):  # one dump per attempt where the path asks (a shrink's restart dumps
+        # the restore); the Hugging Face examples dump nothing
         args.dump_full = args.dump_full.replace("{restart}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart != args.die_attempt:

@@ -8,7 +8,7 @@ import argparse
 import torch
 
 import inmem_ft
-from inmem_ft.examples.ds_common import die_if_asked, parse, start
+from inmem_ft.examples.ds_common import add_failure_args, die_if_asked, parse, start
 from inmem_ft.examples.hf_trainer import SEQ, VOCAB, Tokens
 
 
@@ -20,8 +20,7 @@ def arguments() -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--no-inmem", action="store_true", help='the block with "enabled": false')
     p.add_argument("--out", default=None, help="rank 0 writes each step's loss, lr and grad norm (JSON lines)")
-    p.add_argument("--die-at", type=int, default=None, help="SIGKILL --die-rank after this step (first attempt)")
-    p.add_argument("--die-rank", type=int, default=0)
+    add_failure_args(p)
     return parse(p)
 
 

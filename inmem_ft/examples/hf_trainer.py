@@ -9,7 +9,7 @@ import os
 import torch
 
 import inmem_ft
-from inmem_ft.examples.ds_common import die_if_asked, parse, start
+from inmem_ft.examples.ds_common import add_failure_args, die_if_asked, parse, start
 
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 
@@ -48,8 +48,7 @@ def main() -> None:
     p.add_argument("--no-inmem", action="store_true", help='the block with "enabled": false')
     p.add_argument("--out", default=None, help="rank 0 writes each step's loss, lr and grad norm (JSON lines) "
                                                "and PATH.history, the Trainer's log_history at the end")
-    p.add_argument("--die-at", type=int, default=None, help="SIGKILL --die-rank after this step (first attempt)")
-    p.add_argument("--die-rank", type=int, default=0)
+    add_failure_args(p)
     args = parse(p)
     start()
     import transformers
