@@ -155,11 +155,11 @@ class PlanCache:
         now, was = list(zip(dtypes, shapes, kinds)), list(zip(self._dtypes, self._shapes, self._kinds))
         i = next(i for i, (a, b) in enumerate(zip(now, was)) if a != b)
         self.drop()
-        raise StalePlan(f"step {step}: {flat.path_of(i)} changed from {_spelled(was[i])} to {_spelled(now[i])} "
+        raise StalePlan(f"step {step}: {flat.path_of(i)} changed from {_described(was[i])} to {_described(now[i])} "
                         f"under an unchanged structure; this snapshot is not committed, the next one is laid out "
                         f"afresh")
 
 
-def _spelled(leaf: tuple) -> str:
+def _described(leaf: tuple) -> str:
     dtype, shape, kind = leaf
     return f"{dtype}{list(shape)}" + (f" on {kind}" if kind else " on the host")
