@@ -143,6 +143,18 @@ def test_a_node_lost_for_good_the_survivors_reshard_from_memory_and_go_on_with_t
     # The time the shrink cost, part by part, as for any restart (the restore line names the two layouts).
     [split] = json.loads((tmp_path / "work0" / "time_lost.json").read_text())
     assert split["restored_step"] == 6 and all(p["seconds"] is not None for p in split["parts"]), split
+    # ... and as a shrink: the spare wait (1 s, from the round having its 2 nodes), the reconstruction (rank 1's
+    # reads from parity), the same total, in time_lost.json and in each survivor's events.
+    for node in (0, 1):
+        [split] = json.loads((tmp_path / f"work{node}" / "time_lost.json").read_text())
+        resize = split["resize"]
+        assert (resize["how"], resize["nodes"], list(resize["parts"])) == ("shrink", "3->2", [
+            "detection", "teardown", "agents' rendezvous", "spare wait", "start and imports", "rendezvous", "setup",
+            "reconstruction", "reshard", "first step"]), resize
+        assert resize["total_s"] == pytest.approx(split["total_s"]) and 0.5 < resize["parts"]["spare wait"] < 3
+        assert (resize["parts"]["reconstruction"] > 0) == (node == 1), resize
+        [said] = [json.loads(ln) for ln in open(tmp_path / f"work{node}" / "events.jsonl") if '"shrink_parts"' in ln]
+        assert said["fields"]["spare_wait_s"] == resize["parts"]["spare wait"], said
 
 
 @pytest.mark.parametrize("dp, on_shrink, accumulation, size", [

@@ -65,8 +65,10 @@ class InmemAgent(LocalElasticAgent):
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
+        self._last_call: rendezvous.LastCall | None = None  # with a node range: each round's wait for a spare
         if options.nodes[0] < options.nodes[1]:
             self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
+            self._last_call = rendezvous.LastCall(self._worker_group.spec.rdzv_handler)
 
     def say(self, event: str, text: str = "", sep: str = ": ", **fields) -> None:
         """One `[inmem_ft] agent node=N event=...` line in the job's log, and its record in the events file."""
@@ -129,7 +131,7 @@ class InmemAgent(LocalElasticAgent):
         # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
         os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
         launched_at = time.time()
-        self._say_resized(worker_group)
+        self._say_resized(worker_group, launched_at)
         with self._onto_standbys():
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
@@ -203,9 +205,12 @@ class InmemAgent(LocalElasticAgent):
                               f"before training got back (its imports may have to follow its own code)"
                               + (f": {said}" if said else ""))
 
-    def _say_resized(self, worker_group) -> None:
+    def _say_resized(self, worker_group, launched_at: float) -> None:
         """The rendezvous settled on another node count than the last: the ranks restore onto the new data-parallel
-        size from memory (the restore line says from which layout to which)."""
+        size from memory (the restore line says from which layout to which), and the restart's time lost is
+        split with the round's wait for a spare (until the round completed, which the maximum of nodes may end
+        early)."""
+        waited = self._last_call.take() if self._last_call else None
         nodes, before = worker_group.group_world_size, self._nodes_now
         self._nodes_now = nodes
         low, high = self.opts.nodes
@@ -218,6 +223,8 @@ class InmemAgent(LocalElasticAgent):
             how = "shrink" if nodes < before else "grow"
             self.say(how, nodes=f"{before}->{nodes}", world_size=worker_group.spec.local_world_size * nodes,
                      text=f"the ranks restart at {nodes} nodes and reshard the newest complete step from memory")
+            self.clock.resized(how, f"{before}->{nodes}",
+                               (min(waited[0], launched_at), min(waited[1], launched_at)) if waited else None)
             if nodes < before and "--parity" in self.opts.smp_args:
                 self.say("degraded", nodes=nodes,
                          text=f"the SMPs' erasure-coding groups were formed over {before} nodes; the steps taken from "

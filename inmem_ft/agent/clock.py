@@ -62,6 +62,15 @@ class RecoveryClock:
             self._restart.attempt, self._restart.launched_at = attempt, at
             self._ranks, self._back = ranks, []
 
+    def resized(self, how: str, nodes: str, spare_wait: tuple[float, float] | None) -> None:
+        """The restart runs on another node count (`nodes`: "3->2"); `spare_wait`: (start, end) of its round's
+        wait for more nodes, None where it did not wait."""
+        r = self._restart
+        if r is not None:
+            r.resize = {"how": how, "nodes": nodes, "spare_wait": spare_wait}
+            if how == "grow":  # what the restart was for: torch restarts for a node waiting to join
+                r.cause = f"a node joined ({nodes} nodes)"
+
     def poll(self, beats: dict[int, dict]) -> None:
         """Training is back once every local rank beat at (or past) the step reached."""
         r = self._restart
@@ -87,4 +96,8 @@ class RecoveryClock:
         starts = ",".join(f"{how.replace(' ', '_')}:{n}" for how, n in sorted(split["starts"].items()))
         self.say("time_lost", failure=restart.cause, sep=" ", text=f"{timelost.describe(split)} "
                  f"ranks_started={starts or 'none'} (json: {self.json_path})")
+        resize = split.get("resize")
+        if resize:
+            self.say(f"{resize['how']}_parts", nodes=resize["nodes"], total_s=resize["total_s"],
+                     **{timelost.field(part): s for part, s in resize["parts"].items()})
         write_record(self.json_path, self.splits)

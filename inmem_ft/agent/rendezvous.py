@@ -62,3 +62,41 @@ def set_last_call(handler, seconds: float) -> bool:
         return False
     timeout._last_call = timedelta(seconds=seconds)
     return True
+
+
+class LastCall:
+    """When this agent's rounds waited for more nodes than their minimum: torch's dynamic rendezvous sets the
+    round's state `deadline` (UTC) to now + last_call when its minimum of nodes has joined, and completes the
+    round there unless the maximum joins first; completing clears it. Every state the join sees passes through
+    here, so the newest deadline seen is when that round's wait for a spare began (deadline - last_call) and
+    was to end. Read from the state torch syncs anyway: nothing here touches the store."""
+
+    def __init__(self, handler):
+        self.handler, self._deadline = handler, None
+        executor = getattr(handler, "_op_executor", None)
+        self.active = isinstance(handler, dynamic_rendezvous.DynamicRendezvousHandler) and callable(
+            getattr(executor, "run", None))
+        if self.active:
+            run = executor.run  # torch's, or scale_polling's (whichever was bound last)
+
+            def watched(state_handler, deadline, update_deadline=None):
+                return run(self._watching(state_handler), deadline, update_deadline)
+
+            executor.run = watched
+
+    def _watching(self, state_handler):
+        def handle(ctx, deadline):
+            action = state_handler(ctx, deadline)
+            if getattr(ctx.state, "deadline", None) is not None:
+                self._deadline = ctx.state.deadline
+            return action
+        return handle
+
+    def take(self) -> tuple[float, float] | None:
+        """(start, end) in time.time() of the last round's wait for more nodes, or None where it did not wait
+        (the maximum joined); forgets it, so that the next round starts afresh."""
+        deadline, self._deadline = self._deadline, None
+        if deadline is None:
+            return None
+        end = deadline.timestamp()
+        return end - self.handler._settings.timeout.last_call.total_seconds(), end

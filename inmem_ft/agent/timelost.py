@@ -25,6 +25,11 @@ from dataclasses import dataclass
 
 PARTS = ("detection", "teardown", "agent rendezvous", "start and imports", "rendezvous", "setup", "restore",
          "recompute")
+# A restart onto another node count (a shrink, a grow): the same boundaries, with the agents' rendezvous split at
+# the start of its wait for a spare (the round had its minimum of nodes: agent/rendezvous.py's LastCall), and the
+# restore split into the reads of the lost node's bytes from parity (reconstruction) and the rest (reshard).
+RESIZE_PARTS = ("detection", "teardown", "agents' rendezvous", "spare wait", "start and imports", "rendezvous",
+                "setup", "reconstruction", "reshard", "first step")
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Restart:
     attempt: int | None = None  # the attempt that restarted the job
     launched_at: float | None = None
     protected: int | None = None  # with erasure coding: the newest step protected on every node at the failure
+    resize: dict | None = None  # onto another node count: {how: shrink|grow, nodes: "3->2", spare_wait: (start, end)}
 
 
 @dataclass
@@ -95,13 +101,38 @@ def measure(restart: Restart, ranks: dict[int, RankReport], back: list[dict], en
     notes.append(back_note)
     parts, total = _parts(bounds, notes, PARTS)
     slowest = max((s for s in spans.values() if s), key=lambda s: s[1] - s[0], default=None)
-    return {"failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
+    resized = {"resize": resized_parts(restart.resize, bounds, slowest[3] if slowest else {})} if restart.resize else {}
+    return {**resized, "failure": restart.cause, "attempt": restart.attempt, "reached_step": restart.reached,
             "restored_step": restored_step, "protected_step": restart.protected,
             "steps_recomputed": (max(restart.reached - restored_step, 0)
                                  if restart.reached is not None and restored_step is not None else None),
             "total_s": total, "parts": parts,
             "starts": dict(Counter(_start(rec, restart.launched_at) for rec in records.values())),
             "restore_phases": slowest[3] if slowest else {}, "boundaries": bounds}
+
+
+def resized_parts(resize: dict, bounds: list[float | None], phases: dict) -> dict:
+    """The parts of a restart onto another node count (RESIZE_PARTS), from measure()'s boundaries, the round's
+    wait for a spare, and the slowest rank's restore phases (its parity reads are the reconstruction). A part
+    whose boundaries were not both recorded is None, and so is then the total."""
+    failed, detected, stopped, launched, rdzv_start, rdzv_end, restore_start, restore_end, back = bounds
+    spare = resize.get("spare_wait")
+    waited_from = launched  # the round did not wait for a spare: the maximum of nodes joined
+    if spare is not None and None not in (stopped, launched):
+        waited_from = min(max(spare[0], stopped), launched)
+    marks = [failed, detected, stopped, waited_from, launched, rdzv_start, rdzv_end, restore_start, restore_end, back]
+    seconds = [max(b - a, 0.0) if a is not None and b is not None else None for a, b in zip(marks, marks[1:])]
+    restore = seconds[7]
+    parity = None if restore is None else min(phases.get("read_parity", 0.0), restore)
+    seconds[7:8] = [parity, None if restore is None else restore - parity]
+    parts = dict(zip(RESIZE_PARTS, seconds))
+    total = None if None in seconds else sum(seconds)
+    return {"how": resize["how"], "nodes": resize["nodes"], "total_s": total, "parts": parts}
+
+
+def field(part: str) -> str:
+    """A part's name as an event's field: "agents' rendezvous" -> agents_rendezvous_s."""
+    return part.replace("'", "").replace(" ", "_") + "_s"
 
 
 def counted_from(split: dict, cause: str, failed_at: float) -> dict:

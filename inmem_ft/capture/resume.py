@@ -76,7 +76,8 @@ class Restored:
 
     @classmethod
     def from_reshard(cls, rs, seconds: float, phases: dict, **adapter) -> Restored:
-        return cls(rs.step, Tier(MEMORY_RESHARDED), seconds, phases, resharded=rs.describe(), **adapter)
+        return cls(rs.step, Tier(MEMORY_RESHARDED), seconds, {**phases, **rs.seconds_read}, resharded=rs.describe(),
+                   **adapter)
 
     def say(self, node, rank: int, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
         """The restore event of this record (WARNING: the one line per rank that says where training resumed

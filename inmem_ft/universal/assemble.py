@@ -9,6 +9,7 @@ piece being built plus one window.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -51,6 +52,7 @@ class Fragments:
                 self.by_key.setdefault(key, []).append(i)
         self._runs: dict[int, tuple] = {}
         self.bytes_read: Counter = Counter()  # by where the bytes came from: memory | parity
+        self.seconds_read: Counter = Counter()  # the same split of the reads' time: parity is the reconstruction
 
     def __contains__(self, key: str) -> bool:
         return key in self.by_key
@@ -153,11 +155,13 @@ class Fragments:
             j = k
 
     def _read(self, read, where, offset: int, length: int, into):
+        t0 = time.perf_counter()
         data = read(*where, offset, length, into=into)
         source = "memory"
         if isinstance(data, tuple):  # SMPClient.read also says where the bytes came from
             data, source = data
         self.bytes_read[source] += length
+        self.seconds_read[source] += time.perf_counter() - t0
         if into is not None and data is not into:
             into[:] = data
         return data

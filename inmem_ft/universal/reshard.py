@@ -68,6 +68,11 @@ class Resharding:
     def bytes_read(self) -> dict:
         return dict(self.source.fragments.bytes_read)
 
+    @property
+    def seconds_read(self) -> dict:
+        """Seconds the reads took by where the bytes came from (`read_parity`: the lost node's rebuilt)."""
+        return {f"read_{where}": round(s, 4) for where, s in sorted(self.source.fragments.seconds_read.items())}
+
     def describe(self) -> dict:
         """For the restore log line: from/to layouts, and bytes read by where they came from (memory, parity,
         disk)."""
