@@ -156,8 +156,9 @@ def _gib(nbytes: float) -> str:
 
 
 def _strategies(plan: dict) -> str:
-    """The three strategies of one plan side by side."""
-    shm = {0: _gib(plan["memory"]["shm"]), 1: "-", 2: _gib(plan["memory"]["replication"])}
+    """The strategies of one plan side by side."""
+    ours = _gib(plan["memory"]["shm"])
+    shm = {0: ours, 1: "-", 2: _gib(plan["memory"]["replication"]), 3: ours}  # 3: shrink, the same snapshots
     rows = []
     for i, s in enumerate(plan["strategies"]):
         rest = sorted(((v, k) for k, v in s["accounts"].items() if k != "useful" and v > 0), reverse=True)[:4]

@@ -4,9 +4,15 @@
 agent's scaled one), a hung rank under `inmem-ft run` (detection included), a killed SMP (the agent starts a new
 one, which adopts the snapshots, and restarts the ranks), a rank killed early (at the first step trained, before
 the standbys are ready: no cold start where the zygote forks them), and a second kill 10 s after the first
-(the restart used the standbys up: forks replace them at once).
+(the restart used the standbys up: forks replace them at once). And a node lost for good (issue 41): 3 nodes x 1
+rank of `torchrun_inmem.sh`, node 2's SMP and rank SIGKILLed, then its agent: with `INMEM_FT_MIN_NODES=2` the
+survivors shrink to 2 nodes after the spare wait, resharding from memory; with 3 the job waits for a replacement,
+whose agent is started 30 s or 120 s after the loss (a simulated spare: an empty SMP that rebuilds the lost
+node's snapshots from its EC group). The shrink's time lost ends at the step reached, but the job then trains on
+2 nodes of 3 until a node joins: the steps' time before and after says at what rate.
 
     python benchmarks/time_lost.py [--repeat N] [--cases "A;B"] [--hang-timeout S] [--json OUT] [--plot PNG]
+    python benchmarks/time_lost.py --quick --json benchmarks/results/time_lost_shrink.json  # the node losses, once
 
 The demo model (the DeepSpeed GPT example, ZeRO-2, CPU, a snapshot every 5 steps) runs on 2 nodes x 2 ranks
 submitted with `sbatch launch/slurm_inmem.sbatch` to a real SLURM started on this machine
@@ -52,6 +58,9 @@ CASES = {"torchrun": ("torchrun", "0", signal.SIGKILL, "", "rank"),
          "agent, SMP killed": ("inmem", "", signal.SIGKILL, "", "smp"),
          "agent, early kill": ("inmem", "", signal.SIGKILL, "", "early"),
          "agent, second kill 10 s later": ("inmem", "", signal.SIGKILL, "", "second")}
+# case -> seconds until the lost node's replacement starts; None: no replacement, the survivors shrink
+NODE_LOSS = {"node lost, shrink": None, "node lost, spare after 30 s": 30.0, "node lost, spare after 120 s": 120.0}
+LOSS_NODES, SPARE_WAIT_S = 3, 5  # the spare wait: torchrun_inmem.sh's default
 SECOND_AFTER_S = 10.0
 VICTIM = 3  # on the second node
 INTERVAL = 5
@@ -84,25 +93,32 @@ class Slurm:
 
 
 class Script:
-    """Without SLURM: the node script run once per node on this machine."""
+    """Without SLURM: the node script run once per node on this machine (`node_env`: each node's own
+    variables)."""
 
-    def __init__(self, work: str, env: dict, argv: list[str]):
-        self.logs = [os.path.join(work, f"node{n}.out") for n in range(2)]
-        self.procs = []
-        for node, log in enumerate(self.logs):
-            with open(log, "w") as out:
-                self.procs.append(subprocess.Popen(["bash", NODE_SCRIPT, *argv], env={**env, "NODE_RANK": str(node)},
-                                                   stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                   start_new_session=True, cwd=work))
+    def __init__(self, work: str, env: dict, argv: list[str], nodes: int = 2, node_env=lambda node: {}):
+        self.work, self.env, self.argv, self.node_env = work, env, argv, node_env
+        self.logs = [os.path.join(work, f"node{n}.out") for n in range(nodes)]
+        self.procs: dict[int, subprocess.Popen] = {}
+        for node in range(nodes):
+            self.start(node)
+
+    def start(self, node: int) -> None:
+        """The node's script (again: a replacement node, its log appended to the lost one's)."""
+        with open(self.logs[node], "a") as out:
+            self.procs[node] = subprocess.Popen(
+                ["bash", NODE_SCRIPT, *self.argv], env={**self.env, "NODE_RANK": str(node), **self.node_env(node)},
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.work)
 
     def output(self) -> str:
         return "".join(map(_read, self.logs))
 
     def stop(self) -> None:
-        for p in self.procs:
+        procs = list(self.procs.values())
+        for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(timeout=120)
             except subprocess.TimeoutExpired:
@@ -111,17 +127,15 @@ class Script:
 
 
 def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: float) -> dict:
+    if case in NODE_LOSS:
+        return node_loss_run(work, NODE_LOSS[case])
     agent, standbys, signum, poll, what = CASES[case]
     job = f"b{uuid.uuid4().hex[:10]}"
     os.makedirs(work, exist_ok=True)
     loss_log = os.path.join(work, "loss.jsonl")
     runtime = os.environ["INMEM_FT_RUNTIME_DIR"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
-    env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), "PYTHONPATH": ROOT,
-                "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "INMEM_FT_RUNTIME_DIR":
-                runtime, "INMEM_FT_JOB": job, "INMEM_FT_MEMORY_BUDGET": "256MiB", "NNODES": "2",
-                "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                "INMEM_FT_AGENT": agent, "INMEM_FT_WIPE_ON_EXIT": "1", "INMEM_FT_HANG_TIMEOUT": f"{hang_timeout:g}"})
+    env = _env(job, runtime, 2, 2)
+    env.update({"INMEM_FT_AGENT": agent, "INMEM_FT_HANG_TIMEOUT": f"{hang_timeout:g}"})
     if standbys:
         env["INMEM_FT_STANDBYS"] = standbys
     if poll:
@@ -156,13 +170,88 @@ def one_run(case: str, work: str, cluster: SlurmCluster | None, hang_timeout: fl
     if ready:
         out["standby_rss_mib"] = [int(x) for x in ready[0]["fields"]["rss_mib"].split(",")]
     if agent == "inmem":
-        splits = _read_json(os.path.join(runtime, job, "agent-node1", "time_lost.json"))
-        if not splits:
-            raise SystemExit(f"{case}: the failed node's agent wrote no time_lost.json:\n{text[-3000:]}")
-        split = splits[-1]
-        out["agent_split"] = {"total_s": split["total_s"], "parts": {p["part"]: p["seconds"] for p in split["parts"]},
-                              "starts": split["starts"], "failure": split["failure"]}
+        out["agent_split"] = _agent_split(_last_split(runtime, job, 1, f"{case}: the failed node", text))
     return out
+
+
+def _last_split(runtime: str, job: str, node: int, who: str, output: str) -> dict:
+    """The newest entry of the node's agent's time_lost.json."""
+    splits = _read_json(os.path.join(runtime, job, f"agent-node{node}", "time_lost.json"))
+    if not splits:
+        raise SystemExit(f"{who}'s agent wrote no time_lost.json:\n{output[-3000:]}")
+    return splits[-1]
+
+
+def _agent_split(split: dict) -> dict:
+    return {"total_s": split["total_s"], "parts": {p["part"]: p["seconds"] for p in split["parts"]},
+            "starts": split["starts"], "failure": split["failure"]}
+
+
+def _env(job: str, runtime: str, nodes: int, per_node: int) -> dict:
+    """The node script's environment for a job of `nodes` x `per_node` ranks on this machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("INMEM_FT_", "TORCHELASTIC_", "PET_"))}
+    env.update({"PATH": os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), "PYTHONPATH": ROOT,
+                "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "INMEM_FT_RUNTIME_DIR":
+                runtime, "INMEM_FT_JOB": job, "INMEM_FT_MEMORY_BUDGET": "256MiB", "NNODES": str(nodes),
+                "NPROC_PER_NODE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "INMEM_FT_WIPE_ON_EXIT": "1"})
+    return env
+
+
+def node_loss_run(work: str, spare_after: float | None) -> dict:
+    """Node 2 of 3 lost for good (its SMP, rank and agent SIGKILLed, in that order) two steps past a snapshot:
+    the survivors shrink (`spare_after` None) or wait for the replacement started `spare_after` s later. Standbys
+    off (the replacement could have none warm). Time lost from the kill to the step reached, from rank 0's loss
+    log; a survivor's agent split (node 1's time_lost.json, with the shrink's parts: its rank rebuilds the lost
+    node's share from parity)."""
+    job = f"b{uuid.uuid4().hex[:10]}"
+    os.makedirs(work, exist_ok=True)
+    loss_log = os.path.join(work, "loss.jsonl")
+    runtime = os.environ["INMEM_FT_RUNTIME_DIR"]
+    first = free_port(LOSS_NODES)
+    env = _env(job, runtime, LOSS_NODES, 1)
+    env.update({"INMEM_FT_STANDBYS": "0", "INMEM_FT_SECRET": f"time-lost-{job}-0123456789",
+                "INMEM_FT_MIN_NODES": str(LOSS_NODES - 1 if spare_after is None else LOSS_NODES),
+                "INMEM_FT_SPARE_WAIT": str(SPARE_WAIT_S),
+                "INMEM_FT_SMP_ARGS": f"--parity 1 --nodes {LOSS_NODES} --group-size {LOSS_NODES} --peers "
+                                     + ",".join(f"{n}=127.0.0.1:{first + n}" for n in range(LOSS_NODES))})
+    # a global batch of 12 divides over 3 and 2 data-parallel ranks: the shrink keeps it (accumulation 2 -> 3)
+    argv = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", "2", "--steps", "100000", "--interval",
+            str(INTERVAL), "--global-batch", "12", "--micro-batch", "2", "--loss-log", loss_log]
+    lost = LOSS_NODES - 1
+    run = Script(work, env, argv, LOSS_NODES, lambda node: {"INMEM_FT_LOCAL_ADDR": f"127.0.1.{100 + node}"})
+    try:
+        _wait(lambda: _steps(loss_log) and _steps(loss_log)[-1]["step"] >= 3 * INTERVAL + 2, run, "training")
+        victims = [_smp_pid(job, lost), _rank_pid(job, lost)]
+        at = time.time()
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(run.procs[lost].pid, signal.SIGKILL)
+        if spare_after is not None:
+            time.sleep(max(0.0, at + spare_after - time.time()))
+            run.start(lost)
+        _wait(lambda: _back_past(_steps(loss_log), at, 6), run, "recovery")
+    finally:
+        run.stop()
+        for seg in names_with_prefix(f"inmemft.{job}."):
+            unlink(seg)
+    records = _steps(loss_log)
+    lost_s, reached, restored = _recovery(records, at)
+    out = {"lost_s": lost_s, "reached_step": reached, "restored_step": restored,
+           "step_s_before": _step_s([r for r in records if r["time"] <= at][-6:]),
+           "step_s_after": _step_s([r for r in records if r["time"] > at + lost_s][-6:])}
+    split = _last_split(runtime, job, 1, "node 1", run.output())  # its rank reads the lost node's share
+    out["agent_split"] = _agent_split(split)
+    if split.get("resize"):
+        out["resize"] = split["resize"]
+    return out
+
+
+def _step_s(records: list[dict]) -> float | None:
+    """Seconds per step over consecutive loss-log records (one process's)."""
+    if len(records) < 2:
+        return None
+    return (records[-1]["time"] - records[0]["time"]) / (records[-1]["step"] - records[0]["step"])
 
 
 def _recovery(records: list[dict], at: float) -> tuple[float, int, int | None] | None:
@@ -180,11 +269,11 @@ def _recovery(records: list[dict], at: float) -> tuple[float, int, int | None] |
     return (back["time"] - at, reached, restart[0]["step"] - 1) if back else None
 
 
-def _back_past(records: list[dict], at: float) -> bool:
-    """Whether training is back, and 2 steps past the step reached (so that no later record changes the
+def _back_past(records: list[dict], at: float, past: int = 2) -> bool:
+    """Whether training is back, and `past` steps past the step reached (so that no later record changes the
     figure: a step the failed attempt still logged after `at` is followed by the restart's)."""
     found = _recovery(records, at)
-    return found is not None and records[-1]["step"] >= found[1] + 2
+    return found is not None and records[-1]["step"] >= found[1] + past
 
 
 def _agent_events(runtime: str, job: str, name: str) -> list[dict]:
@@ -270,6 +359,33 @@ def summary(runs: list[dict]) -> dict:
         out.update(total_s=statistics.median(totals) if totals else None,
                    parts={p: statistics.median(v) if v else None for p, v in parts.items()},
                    starts=[s["starts"] for s in splits])
+    for key in ("step_s_before", "step_s_after"):
+        got = [r[key] for r in runs if r.get(key) is not None]
+        if got:
+            out[key] = statistics.median(got)
+    resizes = [r["resize"] for r in runs if r.get("resize")]
+    if resizes:
+        parts = {p: [z["parts"][p] for z in resizes if z["parts"][p] is not None] for p in resizes[0]["parts"]}
+        totals = [z["total_s"] for z in resizes if z["total_s"] is not None]
+        out["resize"] = {"how": resizes[0]["how"], "nodes": resizes[0]["nodes"],
+                         "total_s": statistics.median(totals) if totals else None,
+                         "parts": {p: statistics.median(v) if v else None for p, v in parts.items()}}
+    return out
+
+
+def node_loss(cases: dict) -> dict:
+    """Per node lost for good: the seconds lost to the step reached by shrinking and by waiting for each spare
+    (what `inmem-ft plan` reads: planning/inputs.py), and the shrunk job's training rate on this machine (steps
+    per second after / before: 3 ranks on 2 cores, not what 2 nodes of 3 train at on a cluster)."""
+    out = {}
+    shrink = cases.get("node lost, shrink")
+    if shrink:
+        out["shrink_s"] = shrink["lost_s"]
+        if shrink.get("step_s_before") and shrink.get("step_s_after"):
+            out["shrunk_rate"] = round(shrink["step_s_before"] / shrink["step_s_after"], 3)
+    for case, after in NODE_LOSS.items():
+        if after is not None and case in cases:
+            out[f"spare_after_{after:g}_s"] = cases[case]["lost_s"]
     return out
 
 
@@ -323,15 +439,20 @@ def plot(results: dict, path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=3, help="runs per case, alternating (default: 3)")
-    p.add_argument("--cases", default=";".join(CASES), help=f"which, separated by ; (default: all: {'; '.join(CASES)})")
+    p.add_argument("--cases", default=None, help=f"which, separated by ; (default: all: "
+                   f"{'; '.join([*CASES, *NODE_LOSS])})")
     p.add_argument("--hang-timeout", type=float, default=5.0, help="the agent's hang timeout, s (default: 5)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="draw a PNG of the results here")
+    p.add_argument("--quick", action="store_true", help="the node-loss cases once each (a few minutes)")
     args = p.parse_args()
-    chosen = [c.strip() for c in args.cases.split(";")]
-    if any(c not in CASES for c in chosen):
-        p.error(f"--cases {args.cases}: expected some of {', '.join(CASES)}")
-    why = unavailable()
+    known = [*CASES, *NODE_LOSS]
+    chosen = [c.strip() for c in args.cases.split(";")] if args.cases else (list(NODE_LOSS) if args.quick else known)
+    if any(c not in known for c in chosen):
+        p.error(f"--cases {args.cases}: expected some of {'; '.join(known)}")
+    if args.quick:
+        args.repeat = 1
+    why = unavailable() if any(c in CASES for c in chosen) else "only the node-loss cases, which run the node script"
     cluster = None
     if not why:
         cluster = SlurmCluster()
@@ -339,7 +460,8 @@ def main() -> int:
     try:
         runs = report.alternating(chosen, args.repeat,
                                   lambda case, i, work: one_run(case, work, cluster, args.hang_timeout),
-                                  label=lambda case: f"{case}, rank {VICTIM} {signal.Signals(CASES[case][2]).name}")
+                                  label=lambda case: case if case in NODE_LOSS else
+                                  f"{case}, rank {VICTIM} {signal.Signals(CASES[case][2]).name}")
     finally:
         if cluster:
             cluster.stop()
@@ -351,6 +473,9 @@ def main() -> int:
                "interval": INTERVAL, "victim_rank": VICTIM, "hang_timeout_s": args.hang_timeout,
                "repeat": args.repeat, "machine": report.machine(), "runs": runs, "cases": cases,
                "goals": goals(cases, hang_goal)}
+    if any(case in cases for case in NODE_LOSS):
+        results["node_loss"] = {"nodes": LOSS_NODES, "ranks_per_node": 1, "spare_wait_s": SPARE_WAIT_S,
+                                "standbys": 0, **node_loss(cases)}
     if "agent" in cases:  # the planner reads the warm-standby restart's detection from here (planning/inputs.py)
         results["standby"] = cases["agent"]
     print(f"s lost per failure, from the signal to the step reached (medians of {args.repeat}; {results['launcher']}):")

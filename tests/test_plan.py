@@ -25,8 +25,10 @@ def llama3():
 
 
 def test_the_llama3_plan_meets_99_percent_and_beats_disk_checkpoints(llama3):
-    ours, disk, replication = llama3["strategies"]
+    ours, disk, replication, shrink = llama3["strategies"]
     assert ours["strategy"].startswith("in-memory EC") and ours["effective"] >= 0.99, ours
+    assert shrink["strategy"].startswith("in-memory EC, shrink onto the survivors (") and shrink["effective"] >= 0.99, \
+        shrink
     assert ours["low"] >= 0.99  # the 5th percentile over the seeded runs, too
     assert disk["effective"] < ours["effective"] and replication["effective"] <= ours["effective"] + 0.001
     assert llama3["memory"]["shm"] < llama3["memory"]["replication"]
@@ -161,6 +163,23 @@ def test_memory_per_node_counts_two_slots_and_two_parity_sets():
     job = Job(bytes_per_rank=1e9, checkpoint_bytes=1e12, step_s=1.0)
     mem = planning.memory(job, Cluster(16, 8), group_size=4, parity=1)
     assert mem.slots == 2 * 8e9 and mem.parity == pytest.approx(2 * 8e9 / 3) and mem.locked == 2 * 8e9
+
+
+def test_shrinking_beats_waiting_for_a_spare_once_spares_are_slow():
+    """A spare at hand: the shrink only adds its extra and the grow's restart. A spare that takes 10 minutes:
+    every node loss waits it out, while the shrunk job loses 1/N of its rate meanwhile."""
+    def effective(arrival):
+        out = plan("--preset", "llama3-405b", "--seeds", "3", "--spare-arrival-s", arrival, "--json")
+        assert out.returncode == 0, out.stderr
+        waiting, _, _, shrink = json.loads(out.stdout)["strategies"]
+        assert waiting["accounts"]["spare wait"] > 0 if arrival != "0" else waiting["accounts"]["spare wait"] == 0
+        assert shrink["accounts"]["spare wait"] == 0 and shrink["accounts"]["grow"] > 0
+        return waiting["effective"], shrink["effective"]
+
+    waiting, shrink = effective("0")
+    assert waiting > shrink
+    waiting, shrink = effective("600")
+    assert shrink > waiting
 
 
 def test_costs_refuse_negative_values():

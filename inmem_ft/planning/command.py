@@ -13,7 +13,7 @@ from .inputs import GB, Cluster, Costs, FailureModel, Job
 
 PRESETS = ("llama3-405b",)
 COST_FLAGS = ("blocking_s_per_gib", "commit_s_per_gib", "protect_s_per_gib", "restore_s_per_gib",
-              "rebuild_s_per_gib", "detect_s", "restart_s", "hang_timeout_s")
+              "rebuild_s_per_gib", "detect_s", "restart_s", "hang_timeout_s", "spare_arrival_s", "shrink_extra_s")
 PLOT_NODES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 KIND_HELP = {"node": "lose one node with its memory", "crash": "end the processes, the node's memory stays",
              "hang": "stall until the hang timeout", "correlated": "lose --correlated-nodes nodes at once"}
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the disk tier's directory written into the block (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the plan as JSON (default: a report)")
     t.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw effective training time vs cluster size for the three strategies, needs matplotlib "
+                   help="draw effective training time vs cluster size for the strategies, needs matplotlib "
                         "(default: none)")
 
 
@@ -234,7 +234,7 @@ def report(p: planning.Plan, block: dict) -> str:
         f"5th-95th percentile):",
     ]
     rows = [("strategy", "effective", "5%-95%", "interval", "lost per failure", "memory/node", "where the rest went")]
-    mem = {0: p.memory.shm, 1: 0.0, 2: p.replication_memory}
+    mem = {0: p.memory.shm, 1: 0.0, 2: p.replication_memory, 3: p.memory.shm}  # 3: shrink, the same snapshots
     for i, (s, r) in enumerate(zip(p.strategies, p.results)):
         rest = sorted(((v, name) for name, v in r.accounts.items() if name != "useful" and v > 0), reverse=True)
         rows.append((s.name, f"{r.effective:.2%}", f"{r.low:.2%}-{r.high:.2%}", f"{s.interval_s:.0f} s",
@@ -249,7 +249,7 @@ def report(p: planning.Plan, block: dict) -> str:
 
 
 def curves(p: planning.Plan, disk_interval_s: float | None) -> dict:
-    """Effective training time (%) vs nodes for the three strategies, everything else as in this plan: the same
+    """Effective training time (%) vs nodes for the strategies, everything else as in this plan: the same
     model and state per rank (more or fewer data-parallel replicas) on more or fewer nodes; with what `draw`
     needs to label them."""
     from dataclasses import replace
@@ -277,7 +277,7 @@ def draw(data: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     # Replication and EC often coincide (they differ in memory): dashed on top, so both show.
-    for (name, values), style in zip(data["effective_pct"].items(), ("-o", "-s", "--^")):
+    for (name, values), style in zip(data["effective_pct"].items(), ("-o", "-s", "--^", ":v")):
         ax.plot(data["nodes"], values, style, label=name)
     ax.axvline(data["at_nodes"], color="#999", linestyle=":")
     ax.set_xscale("log", base=2)

@@ -128,6 +128,8 @@ class Costs:
     detect_s: float = 0.295
     restart_s: float = 30.0
     hang_timeout_s: float = 60.0
+    spare_arrival_s: float = 0.0  # how long a replacement for a lost node takes to join
+    shrink_extra_s: float = 0.0  # placeholder, replaced below by the measured figure
     # The SMPs' CPU seconds per node fell from 2 to 8 nodes: a falling slope is not extrapolated.
     protect_slope_s_per_node: float = 0.0
     commit_slope_s_per_node: float = 0.0
@@ -151,7 +153,8 @@ class Costs:
 # The result files the measured defaults come from (KEPT_RESULTS, relative to the repository).
 SIZE_RESULT, NODES_RESULT, TIME_LOST_RESULT = ("benchmarks/results/scaling.json", "benchmarks/results/scaling_nodes.json",
                                                "benchmarks/results/time_lost.json")
-KEPT_RESULTS = (SIZE_RESULT, NODES_RESULT, TIME_LOST_RESULT)
+SHRINK_RESULT = "benchmarks/results/time_lost_shrink.json"
+KEPT_RESULTS = (SIZE_RESULT, NODES_RESULT, TIME_LOST_RESULT, SHRINK_RESULT)
 _NODES = f"benchmarks/scaling.py --only nodes ({NODES_RESULT})"
 _SLOPE = f"{_NODES}: least-squares SMP CPU seconds per added node over 2..8 nodes, 0 when it falls"
 
@@ -166,6 +169,11 @@ SOURCES = {
     "restart_s": "assumption: a job-wide restart at scale (scheduling onto a spare node, process start, NCCL "
                  "init, which takes tens of seconds at 32K+ GPUs per NVIDIA/nccl PR 1789)",
     "hang_timeout_s": "inmem-ft launch --heartbeat-timeout default",
+    "spare_arrival_s": "assumption: a spare node at hand; give your scheduler's time to bring one (the 'wait for a "
+                       "spare' strategy waits it out at every node loss, 'shrink' trains on the survivors meanwhile)",
+    "shrink_extra_s": f"benchmarks/time_lost.py --quick ({SHRINK_RESULT}): a node lost for good, 3 nodes: the time "
+                      "lost by the shrink (spare wait, reshard) less that lost once a spare arrived (its arrival "
+                      "taken out), side by side; what the shrink adds to a restart",
     "protect_slope_s_per_node": _SLOPE,
     "commit_slope_s_per_node": _SLOPE,
     "restore_slope_s_per_node": _SLOPE,
@@ -175,7 +183,8 @@ SOURCES = {
 
 def costs_from_results(paths: list[str], base: Costs | None = None) -> Costs:
     """Costs with what the given result files measured: benchmarks/scaling.py (size_slope, nodes, nodes_slope)
-    and benchmarks/time_lost.py (the detection of a rank killed under `inmem-ft run` with warm standbys)."""
+    and benchmarks/time_lost.py (the detection of a rank killed under `inmem-ft run` with warm standbys; a node
+    lost for good, shrunk from against a spare waited for)."""
     costs = base or Costs()
     found: dict[str, float] = {}
     where: dict[str, str] = {}
@@ -212,6 +221,11 @@ def _measured(res: dict) -> dict[str, float]:
                 # Per-node CPU seconds, not wall: on a shared box every extra simulated node takes cores from the
                 # others, which is the box's limit, not the job's. A falling slope is not extrapolated.
                 out[f"{key}_slope_s_per_node"] = max(slope[f"{key}_cpu_s_per_node"], 0.0)
+    loss = res.get("node_loss")
+    spares = [v - float(k[len("spare_after_"):-len("_s")]) for k, v in (loss or {}).items()
+              if k.startswith("spare_after_") and isinstance(v, (int, float))]
+    if isinstance(loss, dict) and isinstance(loss.get("shrink_s"), (int, float)) and spares:
+        out["shrink_extra_s"] = max(loss["shrink_s"] - sum(spares) / len(spares), 0.0)
     standby = res.get("standby")
     if isinstance(standby, dict) and isinstance(standby.get("parts"), dict) and standby["parts"].get("detection"):
         out["detect_s"] = standby["parts"]["detection"]

@@ -17,7 +17,7 @@ effective training time it buys next to disk checkpoints and full in-memory repl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import survival
 from ..config import InmemFTBlock
@@ -165,10 +165,11 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
     persist_every = max(1, math.ceil(disk_age / interval_s))
     mem = memory(job, cluster, g, m)
     restart = simulate.Restart(costs.detect_s, costs.restart_s, costs.hang_timeout_s)
-    strategies = (inmem_strategy(ours, restart.restart_s, interval_s, g, m, persist_every),
-                  disk_strategy(cluster, job, mtbf, disk_interval_s),
+    waiting = inmem_strategy(ours, restart.restart_s, interval_s, g, m, persist_every, costs.spare_arrival_s)
+    strategies = (waiting, disk_strategy(cluster, job, mtbf, disk_interval_s),
                   replication_strategy(cluster, job, our_costs(cluster, job, costs), restart.restart_s, persist_every,
-                                       mtbf))
+                                       mtbf),
+                  shrink_strategy(waiting, cluster, costs, restart.restart_s, ours["restore"]))
     results = tuple(simulate.summarize(s, restart, cluster.nodes, wall_s, failures, targets.seeds)
                     for s in strategies)
     # Replication's copies overlap as parity sets do: the partner keeps the old copy until the new one is whole.
@@ -178,13 +179,25 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
 
 
 def inmem_strategy(ours: dict, restart_s: float, interval_s: float, g: int, m: int,
-                   persist_every: int) -> simulate.Strategy:
-    """A replacement node rebuilds while the job restarts; its ranks restore once it is done."""
+                   persist_every: int, spare_arrival_s: float = 0.0) -> simulate.Strategy:
+    """A lost node waits for a spare (`spare_arrival_s`); the replacement rebuilds while the job restarts, and its
+    ranks restore once it is done."""
     return simulate.Strategy(
-        f"in-memory EC (inmem_ft, G={g}, m={m})", interval_s, ours["blocking"], ours["commit"], ours["protect"],
-        persist_every, ours["commit"] + ours["flush"], ours["restore"],
+        f"in-memory EC, wait for a spare (inmem_ft, G={g}, m={m})", interval_s, ours["blocking"], ours["commit"],
+        ours["protect"], persist_every, ours["commit"] + ours["flush"], ours["restore"],
         max(ours["rebuild"] - restart_s, 0.0) + ours["restore"], ours["flush"] + ours["restore"], group_size=g,
-        tolerate=m)
+        tolerate=m, node_loss=(("spare wait", spare_arrival_s),))
+
+
+def shrink_strategy(waiting: simulate.Strategy, cluster: Cluster, costs: Costs, restart_s: float,
+                    restore_s: float) -> simulate.Strategy:
+    """The same snapshots, but a lost node is trained without (`inmem-ft run --nnodes MIN:MAX`): the restart
+    onto the survivors costs the measured shrink's extra beyond a restart; the job then runs at (N-1)/N of its
+    rate (data parallel, the global batch kept) until the spare arrives, and grows back at the next snapshot
+    (one more restart, restored from memory, nothing computed again)."""
+    return replace(waiting, name=waiting.name.replace("wait for a spare", "shrink onto the survivors"), node_loss=(
+        ("shrink", costs.shrink_extra_s), ("shrunk (fewer nodes)", costs.spare_arrival_s / cluster.nodes),
+        ("grow", restart_s + restore_s)))
 
 
 def disk_strategy(cluster: Cluster, job: Job, mtbf_s: float, interval_s: float | None = None) -> simulate.Strategy:
