@@ -129,7 +129,7 @@ class Costs:
     restart_s: float = 30.0
     hang_timeout_s: float = 60.0
     spare_arrival_s: float = 0.0  # how long a replacement for a lost node takes to join
-    shrink_extra_s: float = 0.0  # placeholder, replaced below by the measured figure
+    shrink_extra_s: float = 15.86  # what a shrink adds to a restart (SOURCES)
     # The SMPs' CPU seconds per node fell from 2 to 8 nodes: a falling slope is not extrapolated.
     protect_slope_s_per_node: float = 0.0
     commit_slope_s_per_node: float = 0.0
