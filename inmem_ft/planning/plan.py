@@ -166,9 +166,11 @@ def make_plan(cluster: Cluster, job: Job, failures: FailureModel, costs: Costs, 
     mem = memory(job, cluster, g, m)
     restart = simulate.Restart(costs.detect_s, costs.restart_s, costs.hang_timeout_s)
     waiting = inmem_strategy(ours, restart.restart_s, interval_s, g, m, persist_every, costs.spare_arrival_s)
-    strategies = (waiting, disk_strategy(cluster, job, mtbf, disk_interval_s),
-                  replication_strategy(cluster, job, our_costs(cluster, job, costs), restart.restart_s, persist_every,
-                                       mtbf),
+    # Every strategy but the shrink waits for a spare at a node loss.
+    spare = (("spare wait", costs.spare_arrival_s),)
+    strategies = (waiting, replace(disk_strategy(cluster, job, mtbf, disk_interval_s), node_loss=spare),
+                  replace(replication_strategy(cluster, job, our_costs(cluster, job, costs), restart.restart_s,
+                                               persist_every, mtbf), node_loss=spare),
                   shrink_strategy(waiting, cluster, costs, restart.restart_s, ours["restore"]))
     results = tuple(simulate.summarize(s, restart, cluster.nodes, wall_s, failures, targets.seeds)
                     for s in strategies)

@@ -13,9 +13,9 @@ snapshot the failure left usable:
   the newest protected snapshot; a loss during a snapshot's protection falls back to the one before it;
 - more than m in a group: the newest snapshot on disk (or the start of the run).
 
-A lost node served from memory also costs what the strategy does about the node (`node_loss`): waiting for a
-spare to arrive, or shrinking onto the survivors (the shrink's extra work, training on fewer nodes until the
-spare arrives, then the grow's restart).
+A lost node also costs what the strategy does about the node (`node_loss`): waiting for a spare to arrive, or
+shrinking onto the survivors (the shrink's extra work, training on fewer nodes until the spare arrives, then
+the grow's restart).
 
 A disk-checkpoint strategy (`in_memory=False`) restores every failure from disk. The recovery costs the
 detection, the restart, and the restore from the tier that serves it; the work since the restore point is
@@ -54,7 +54,7 @@ class Strategy:
     tolerate: int = 0  # m: lost nodes per group survived
     in_memory: bool = True  # False: disk checkpoints only
     groups_span_racks: bool = True  # members of a group in distinct failure domains (racks)
-    node_loss: tuple[tuple[str, float], ...] = ()  # (account, seconds) added to a node loss served from memory
+    node_loss: tuple[tuple[str, float], ...] = ()  # (account, seconds) added to every loss of nodes
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ def simulate(s: Strategy, restart: Restart, nodes: int, wall_s: float, failures:
         parts = [("hang detection", restart.hang_timeout_s if kind == "hang" else 0.0)]
         if fixed is None:
             parts += [("detection", restart.detect_s), ("restart", restart.restart_s), (f"restore ({tier})", restore_s)]
-            if tier == "peers":
+            if lost_nodes:
                 parts += s.node_loss
         else:
             parts.append(("restart", fixed))
