@@ -414,7 +414,7 @@ class Snapshotter:
             raise error
         self.metrics.last_committed = {"step": step, "stall_s": self.metrics.last_stall_s,
                                        "commit_s": self.metrics.last_commit_s, "bytes": w.plan.data_len}
-        self.metrics.snapshots += 1  # after last_committed: capture.events reads both from the training thread
+        self.metrics.snapshots += 1  # after last_committed: capture.monitor_metrics reads both from the training thread
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)

@@ -15,7 +15,7 @@ import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
-from ...capture.events import Unreported
+from ...capture.monitor_metrics import Unreported
 from ...capture.resume import ReshardSource, RestoreInfo, Restored, say_fresh
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
