@@ -368,13 +368,13 @@ class Snapshotter:
                 if w.work.on_device:  # a slot written before it was registered (save() without overlap)
                     w.target.register()
                 raw = self._plans.manifest(w.flat, step, w.topology, w.target.segment.buf[w.data_off:],
-                                           confirm=w.reused)
+                                           confirm=w.reused, losses=losses)
                 if len(raw) > w.manifest_len:
                     self._plans.drop()
                     raise StalePlan(f"step {step}: its manifest ({len(raw)} bytes) outgrew the room reserved for it "
                                     f"({w.manifest_len} bytes); the next snapshot is laid out afresh")
                 w.target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + w.manifest_len] = raw.ljust(w.manifest_len)
-                self._smp.call("commit", rank=self.rank, step=step, losses=losses)
+                self._smp.call("commit", rank=self.rank, step=step)
             except Exception as e:  # whatever it is, the vote below must run on every rank
                 error = e
         if isinstance(error, StalePlan):
