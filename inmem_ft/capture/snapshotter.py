@@ -425,10 +425,11 @@ class Snapshotter:
         return self._shares[1]
 
     def _digest_held(self, values: list, plan) -> tuple[dict, float]:
-        """The digests of the other DP ranks' shares as this rank's state holds them now, and the seconds it took."""
+        """The digests of the other DP ranks' shares as this rank's state holds them now (of its own share, the
+        pieces in accelerator memory: capture/fingerprint.py), and the seconds it took."""
         t0 = time.perf_counter()
-        held = {j: fingerprint.of_state(values, pieces) for j, pieces in enumerate(self._pieces(plan))
-                if j != self.dp_rank}
+        held = {j: fingerprint.of_state(values, pieces, device_only=j == self.dp_rank)
+                for j, pieces in enumerate(self._pieces(plan))}
         return held, time.perf_counter() - t0
 
     def _compare_replicas(self, step: int, w: "_Written | None") -> str | None:
@@ -440,7 +441,8 @@ class Snapshotter:
         if w is not None and w.compare and w.held is not None:
             try:
                 share = w.target.segment.buf[w.data_off + w.plan.manifest["replicated"]["o"]:]
-                digests = {**w.held, self.dp_rank: fingerprint.of_slot(share, self._pieces(w.plan)[self.dp_rank])}
+                digests = {**w.held, self.dp_rank: fingerprint.of_slot(share, self._pieces(w.plan)[self.dp_rank],
+                                                                       w.flat.values, w.held[self.dp_rank])}
                 row = [1, self.rank, self.config.node] + [fingerprint.fingerprint(digests[j])
                                                           for j in range(self.dp_size)]
             except Exception as e:  # the collective below must run on every peer: this rank only abstains
