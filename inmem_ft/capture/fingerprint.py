@@ -76,7 +76,7 @@ def of_state(values: list, pieces: list[Piece], *, device_only: bool = False) ->
                 sums.append(chunk_sums(source_bytes(value, p.lo, p.hi)))
                 where.append(k)
             elif not device_only:
-                out[k] = checksum(source_bytes(value, p.lo, p.hi).numpy())
+                out[k] = checksum(source_bytes(value, p.lo, p.hi).cpu().numpy())  # host: .cpu() is itself
         for k, host in zip(where, _to_host(sums)):
             out[k] = checksum(host)
     return out
