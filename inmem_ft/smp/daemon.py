@@ -96,7 +96,7 @@ class SMP:
         self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.trust = TrustRecord(job, node)  # recorded losses and bad steps (smp/trust.py)
+        self.trust = TrustRecord(job, node)  # bad steps (smp/trust.py)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -351,7 +351,6 @@ class SMP:
         slot.committed_at = time.time()
         self.counts["commits"] += 1
         del self.writers[rank]
-        self.trust.committed(rank, step, fields.losses(msg), {s.committed_step() for s in self.slots[rank] if s})
         log.info("smp node=%d event=commit rank=%d step=%d bytes=%d", self.node, rank, step, header.data_len)
         return {}
 
@@ -383,8 +382,7 @@ class SMP:
         for slot in self.slots.get(rank, []):
             step = slot.committed_step() if slot is not None else None
             if step is not None and step not in self.trust.bad:  # a step found bad is never restored again
-                out.append({"segment": slot.segment.name, "step": step, "source": slot.source,
-                            "losses": self.trust.losses.get((rank, step), [])})
+                out.append({"segment": slot.segment.name, "step": step, "source": slot.source})
         complete = self.complete_step
         if complete in self.trust.bad:  # the job's restore must not insist on the step it may never use
             complete = max((s["step"] for s in out if s["step"] < complete), default=None)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..capture import sentinel
 from ..errors import InmemFTError, StepIncomplete
 from ..smp.client import SMPClient
 from ..snapshot import catalog
@@ -63,6 +64,12 @@ class Resharding:
                 kind, name = key[len(OPTIMIZER_STATE):].split(".", 1)
                 out.setdefault(name, {})[kind] = key
         return out
+
+    @property
+    def losses(self) -> list[float]:
+        """The losses recorded by the snapshot of the old rank this rank takes its own state from: what the
+        check after the restore learns its bound from (capture/sentinel.py)."""
+        return sentinel.recorded_in(self.source.manifests[self.per_rank])
 
     @property
     def bytes_read(self) -> dict:
