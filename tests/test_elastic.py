@@ -2,7 +2,8 @@
 (one rank each, their SMPs an EC group with m=1) of the DeepSpeed GPT example, ZeRO-2, a global batch of 12 in
 micro batches of 2. A node lost for good with `--nnodes 2:3`: the survivors go on at 2 nodes, resharding step 6
 from memory (the lost node's shards from parity), the state right after the restore equal to the 3-node run's
-at step 6, the global batch kept by a larger gradient accumulation, the data position continuous."""
+at step 6, the global batch kept by a larger gradient accumulation, the data position continuous; the SMPs' EC
+groups formed again over the two survivors, so that the first snapshot after the shrink is protected."""
 import contextlib
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from conftest import ROOT
+from inmem_ft import events
 from inmem_ft.agent import rendezvous, run
 from inmem_ft.config import InmemFTBlock
 from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
@@ -143,6 +145,15 @@ def test_a_node_lost_for_good_the_survivors_reshard_from_memory_and_go_on_with_t
     # The time the shrink cost, part by part, as for any restart (the restore line names the two layouts).
     [split] = json.loads((tmp_path / "work0" / "time_lost.json").read_text())
     assert split["restored_step"] == 6 and all(p["seconds"] is not None for p in split["parts"]), split
+    # Protection after the shrink: each survivor's SMP formed its group over the two survivors (G 3 -> 2, said)
+    # before the ranks restarted, and the first snapshot after the shrink (step 9) is protected by it.
+    for node, out in zip((0, 1), survivors):
+        assert "event=ec_groups nodes=0,1 group=0,1: the steps from the next snapshot on are protected by EC " \
+               "group [0, 1] of [[0, 1]] (G=2, fewer than the configured 3: 2 nodes are left)" in out, out
+        records = events.read(str(tmp_path / f"work{node}" / events.FILE))
+        protected = {r["fields"]["step"]: r["fields"]["group"] for r in events.where(records, "protected", role="smp")}
+        assert protected[6] == [0, 1, 2] and protected[9] == [0, 1], protected
+        assert not [r for r in events.where(records, "protect_failed", role="smp")], records
 
 
 @pytest.mark.parametrize("dp, on_shrink, accumulation, size", [
