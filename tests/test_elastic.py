@@ -247,9 +247,10 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
     def ec():
         return control.call(smp0, "status")["ec"]
 
-    # The SMPs' groups still span the lost node: the steps after the shrink go unprotected, and say so.
-    until(lambda: ec()["degraded"], "degraded EC status")
-    assert "is unreachable" in ec()["degraded"] and "DEGRADED: step" in subprocess.run(
+    # The SMPs' groups are formed again over the two survivors, and protect the steps after the shrink.
+    until(lambda: ec()["group"] == [0, 1] and ec()["degraded"] is None and ec()["protected_step"] > 6,
+          "protection over the 2 survivors")
+    assert "erasure coding: group [0, 1], survives 1 lost node(s) per group" in subprocess.run(
         [sys.executable, "-m", "inmem_ft", "smp", "status", "--socket", smp0], capture_output=True, text=True,
         env=c.env).stdout
     c.start(LOST, args)
@@ -259,7 +260,8 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
     until(lambda: pattern.search(c.out(LOST)), "restore onto DP 3")
     grown = int(pattern.search(c.out(LOST)).group(1))
     until(lambda: max(json.loads(ln)["step"] for ln in open(log)) >= grown + 2 * INTERVAL, "training at 3 nodes")
-    until(lambda: ec()["degraded"] is None and ec()["protected_step"] > grown, "protection over 3 nodes again")
+    until(lambda: ec()["group"] == [0, 1, 2] and ec()["degraded"] is None and ec()["protected_step"] > grown,
+          "protection over 3 nodes again")
     for p in c.procs.values():
         p.send_signal(signal.SIGTERM)
     assert set(c.wait(120).values()) == {128 + signal.SIGTERM}
