@@ -149,7 +149,7 @@ class Protector:
         reduced = groups is None or groups.largest < self.size
         events.emit(events.Source("smp", self.node), "ec", "regrouped", say=log.warning if reduced else log.info,
                     nodes=sorted(nodes), group=self.members, m=self.m, text=text)
-        return {"group": self.members, "changed": True, "text": text}
+        return {"group": self.members if groups is not None else [], "changed": True, "text": text}
 
     def partners(self) -> set[int]:
         """The nodes that share, or shared, an EC group with this one: they may ask for its parity and node data."""
