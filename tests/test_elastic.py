@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from conftest import ROOT
 from inmem_ft import events
 from inmem_ft.agent import rendezvous, run
+from inmem_ft.cluster.groups import Groups
 from inmem_ft.config import InmemFTBlock
 from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
 from inmem_ft.globalbatch import GlobalBatchRefused, for_dp
@@ -164,6 +165,18 @@ def test_the_accumulation_covers_the_ranks_that_came_or_went_else_on_shrink_deci
     assert (batch.accumulation, batch.size) == (accumulation, size)
     assert batch.kept == (size == 12)
     assert (f"a global batch of {size}" in batch.note()) == (size != 12)
+
+
+@pytest.mark.parametrize("survivors, size, m, sets", [
+    ([0, 1], 3, 1, [[0, 1]]), ([0, 2], 3, 1, [[0, 2]]), ([0, 1, 2, 4, 5, 6, 7], 4, 1, [[0, 1, 2, 4], [5, 6, 7]]),
+    (range(5), 4, 2, [[0, 1, 2, 3, 4]]), (range(8), 4, 1, [[0, 1, 2, 3], [4, 5, 6, 7]]), ([3], 3, 1, None),
+    ([0, 1], 3, 2, None)])
+def test_ec_groups_are_formed_over_the_survivors_at_most_g_to_a_group_or_none_when_m_is_too_many(survivors, size, m,
+                                                                                                 sets):
+    groups = Groups.over(survivors, size, m)
+    assert (groups and [list(s) for s in groups.sets]) == sets
+    if groups:
+        assert groups.members(sets[-1][-1]) == sets[-1] and groups.position(sets[0][0]) == 0
 
 
 def test_on_shrink_refuse_stops_the_job_with_one_line_and_bad_values_are_refused():
