@@ -23,7 +23,7 @@ from inmem_ft import events
 from inmem_ft.agent import rendezvous, run
 from inmem_ft.cluster.groups import Groups
 from inmem_ft.config import InmemFTBlock
-from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
+from inmem_ft.errors import SPARE_EXIT, ConfigError, InmemFTError
 from inmem_ft.globalbatch import GlobalBatchRefused, for_dp
 from inmem_ft.integrations.deepspeed.batch import keep_global_batch
 from inmem_ft.launcher.ports import free_port
@@ -179,10 +179,10 @@ def test_ec_groups_are_formed_over_the_survivors_at_most_g_to_a_group_or_none_wh
         assert groups.members(sets[-1][-1]) == sets[-1] and groups.position(sets[0][0]) == 0
 
 
-def test_on_shrink_refuse_stops_the_job_with_one_line_and_bad_values_are_refused():
+def test_on_shrink_refuse_waits_for_a_node_with_one_line_and_bad_values_are_refused():
     with pytest.raises(GlobalBatchRefused, match="does not divide by micro batch 2 x 5 data-parallel ranks") as e:
         for_dp(12, 2, 5, "refuse")
-    assert e.value.exit_code == STOP_EXIT  # the agent does not restart into the same refusal
+    assert e.value.exit_code == SPARE_EXIT  # the agent restarts only once a node joins
     with pytest.raises(ConfigError, match="'on_shrink' = 'wait': must be one of"):
         InmemFTBlock.from_dict({"on_shrink": "wait"})
     config = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
@@ -317,3 +317,31 @@ def test_a_second_loss_before_the_first_snapshot_after_a_shrink_is_protected_fal
     assert "[example] batch global=12 micro=2 accumulation=6 dp=1" in out  # the global batch kept on one node
     steps = [json.loads(line)["step"] for line in open(log)]
     assert steps[-(STEPS - 6):] == list(range(7, STEPS + 1)), steps
+
+
+@pytest.mark.slow
+def test_on_shrink_refuse_waits_for_a_node_to_join_and_goes_on_with_it(cluster, tmp_path):
+    """A global batch of 6 in micro batches of 2 does not divide on 2 nodes: with on_shrink "refuse", the survivors
+    of node 2's loss do not train on another global batch; their ranks exit with SPARE_EXIT and the agents wait,
+    saying so, until node 2 comes back (a new agent, an empty SMP that rebuilds step 6 from parity); the job goes
+    on at 3 nodes from step 6."""
+    c = cluster("2:3", ["--spare-wait", "1"])
+    log = tmp_path / "loss.jsonl"
+    batch = ["--global-batch", "6", "--micro-batch", "2", "--on-shrink", "refuse", "--loss-log", str(log)]
+    for node in range(NODES):
+        c.start(node, [*batch, "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)])
+    deadline = time.monotonic() + 300
+    while "event=spare_wait" not in c.out(0):
+        assert time.monotonic() < deadline and c.procs[0].poll() is None, c.out(0)[-4000:]
+        time.sleep(0.2)
+    c.start(LOST, batch)
+    codes = c.wait(300)
+    out = c.out(0)
+    assert codes == {0: 0, 1: 0, 2: 0}, out[-4000:]
+    assert "on_shrink is \"refuse\": the job waits for a node to join" in out
+    assert "event=spare_joined" in out and "event=grow nodes=2->3" in out, out[-4000:]
+    assert out.count("[example] batch global=6 micro=2 accumulation=1 dp=3") == 2  # at the start, and back at 3
+    assert "accumulation=1 dp=2" not in out  # never trained on another global batch
+    assert re.search(r"restore rank=2 step=6 source=(peer_reconstruction|memory) ", c.out(LOST)), c.out(LOST)[-4000:]
+    steps = [json.loads(line)["step"] for line in open(log)]
+    assert steps == [*range(1, LOST_AT + 1), *range(7, STEPS + 1)], steps

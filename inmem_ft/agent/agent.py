@@ -19,10 +19,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import events, telemetry
-from ..errors import STOP_EXIT
+from ..errors import SPARE_EXIT, STOP_EXIT
 from ..smp import control
 from .worker import RECORD_DIR
-from . import hangs, lines, membership, rendezvous
+from . import hangs, lines, membership, rendezvous, sparewait
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
 from .handover import from_standbys, onto
@@ -66,6 +66,8 @@ class InmemAgent(LocalElasticAgent):
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
+        self._spare_needed = False  # a rank exited with SPARE_EXIT: the next restart waits for a node to join
+        self._waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting  # torch's, before _joins_at_snapshots
         if options.nodes[0] < options.nodes[1]:
             self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
 
@@ -153,6 +155,9 @@ class InmemAgent(LocalElasticAgent):
             self.clock.failed("a peer node asked for a new rendezvous round", self._beats(worker_group),
                               failed_at=time.time(),
                               note="the failure was on another node: counted from this node's notice of it")
+        if self._spare_needed:
+            self._spare_needed = False
+            sparewait.wait(self._waiting, self.say)
         super()._restart_workers(worker_group, *args, **kwargs)
 
     def _monitor_workers(self, worker_group, *args, **kwargs) -> RunResult:
@@ -181,6 +186,9 @@ class InmemAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
                 self.say("job_stopped", ranks=",".join(map(str, stopped)), text=f"rank {stopped[0]} exited with "
                          f"{STOP_EXIT}, which asks not to be restarted (its log says why); the job stops")
+            # The job cannot go on at this node count (on_shrink "refuse"): restarted once a node joins.
+            self._spare_needed = self.opts.nodes[0] < self.opts.nodes[1] and any(
+                f.exitcode == SPARE_EXIT for f in result.failures.values())
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
         return result
