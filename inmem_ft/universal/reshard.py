@@ -1,7 +1,9 @@
 """Resharding on restore: a job back on another parallel layout builds each rank's state from the snapshots
 its old layout left in memory, read through the job-wide catalog: the local SMP's shared memory first, then
-other nodes, then parity for a lost node (a disk tier's steps are slots again once an SMP adopted them).
-Only the pieces a rank holds travel, one at a time.
+other nodes, then parity for a lost node (a disk tier's steps are slots again once an SMP adopted them). Where
+memory holds no complete step of the old layout any more (more nodes of a group lost than its parity rebuilds:
+a second loss before the first snapshot after a shrink is protected), the SMPs' disk tier files are read instead,
+with one line saying so. Only the pieces a rank holds travel, one at a time.
 
 Framework-free. This module finds the old layout's newest step that every old rank holds (the same one on
 every new rank), reads any piece of any global tensor, and decides what each new rank takes of the old
