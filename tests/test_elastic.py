@@ -288,15 +288,18 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tier", ["disk", "none"])
 def test_a_second_loss_before_the_first_snapshot_after_a_shrink_is_protected_falls_to_the_disk_tier(cluster,
-                                                                                                     tmp_path):
+                                                                                                     tmp_path, tier):
     """Node 2 is lost after step 7 (the job goes on at 2 nodes from step 6), then node 1 after step 8 of the
     2-node run, before its first snapshot (step 9): two of the three nodes that protect step 6 are gone, so node 0
     alone cannot rebuild it from memory. Its SMP says it runs unprotected now (one node, m=1), and the rank
     resumes from step 6 on the SMPs' disk tier, with one line saying what was lost and which step is loaded from
-    disk, no traceback; the job trains to the end on one node."""
+    disk, no traceback; the job trains to the end on one node. Without a disk tier the one line says that, and the
+    job stops (a restart cannot help)."""
     disk = tmp_path / "disk"
-    c = cluster("1:3", ["--spare-wait", "1"], smp_args=f"--persist-dir {disk} --persist-every-steps {INTERVAL}")
+    c = cluster("1:3", ["--spare-wait", "1"],
+                smp_args=f"--persist-dir {disk} --persist-every-steps {INTERVAL}" if tier == "disk" else "")
     log = tmp_path / "loss.jsonl"
     lose = {LOST: ["--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)],
             1: ["--lose-node-at", "8", "--die-rank", "1", "--die-attempt", "1"]}
@@ -304,9 +307,14 @@ def test_a_second_loss_before_the_first_snapshot_after_a_shrink_is_protected_fal
         c.start(node, ["--loss-log", str(log), *lose.get(node, [])])
     codes = c.wait(300)
     out = c.out(0)
-    assert codes == {0: 0, 1: -signal.SIGKILL, 2: -signal.SIGKILL}, out[-4000:]
+    assert codes == {0: 0 if tier == "disk" else 1, 1: -signal.SIGKILL, 2: -signal.SIGKILL}, out[-4000:]
     assert "event=shrink nodes=3->2" in out and "event=shrink nodes=2->1" in out, out[-4000:]
     assert "event=ec_groups nodes=0 group=none: 1 node(s) left, too few for m=1" in out
+    if tier == "none":
+        [line] = [ln for ln in out.splitlines() if "NothingToResume" in ln]
+        assert "node(s) [1] are lost" in line and "the SMPs run without a disk tier" in line, line
+        assert "Traceback" not in out[out.index("NothingToResume"):] and "event=job_stopped" in out
+        return
     # Node 2's listing is still known from the shrink's restore (decoded then): node 1 is what is missing.
     [line] = [ln for ln in out.splitlines() if "event=memory_lost" in ln]
     assert "node(s) [1] are lost" in line and f"step 6 is loaded from the disk tier ({disk / c.job})" in line, line
