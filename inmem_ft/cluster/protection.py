@@ -285,7 +285,7 @@ class Protector:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._stopping or (
-                    self.wanted is not None and self.wanted != self.gave_up
+                    self.groups is not None and self.wanted is not None and self.wanted != self.gave_up
                     and (self.protected is None or self.wanted > self.protected)))
                 if self._stopping:
                     return
