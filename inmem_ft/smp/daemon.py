@@ -306,7 +306,7 @@ class SMP:
         thread wait for erasure coding. Once protecting the complete step failed (also while a retry of it
         waits), the older protected step is given up (keeping the complete step safe locally matters more
         than surviving a node loss)."""
-        if self.protector is None:
+        if self.protector is None or self.protector.groups is None:  # no group (too few nodes left): no parity
             return {keep}
         protected = self.protector.protected
         held = {s.committed_step() for s in slots if s is not None}
@@ -544,6 +544,21 @@ class SMP:
         if self.protector is not None:
             self.protector.restored(step)
         return {}
+
+    def op_members(self, msg, conn_id):
+        """The job runs on the SMPs of `nodes` now (the agent, at each rendezvous of a job with a node range):
+        erasure coding forms its groups over them (cluster/protection.py, Protector.regroup)."""
+        nodes = msg.get("nodes")
+        if not isinstance(nodes, list) or not nodes or not all(type(n) is int and 0 <= n <= fields.MAX_NODE
+                                                                for n in nodes) or self.node not in nodes:
+            raise RequestError("bad_request", f"'nodes' must list the job's node ids, this node ({self.node}) "
+                                              f"among them, got {nodes!r:.200}")
+        if self.protector is None:
+            return {"group": None, "changed": False, "text": ""}
+        try:
+            return self.protector.regroup(nodes)
+        except ValueError as e:  # a member without an address in --peers
+            raise RequestError("bad_request", str(e)) from None
 
     def op_status(self, msg, conn_id):
         return self.status()
