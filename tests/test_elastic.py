@@ -41,10 +41,10 @@ class Cluster:
     """`nodes` agents on one box, each its own node: its loopback address (torch orders nodes by it), its SMP,
     its work dir; the rendezvous store held by the test, so that losing any node leaves it."""
 
-    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=()):
+    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=(), example=EXAMPLE):
         from torch.distributed import TCPStore
 
-        self.tmp, self.job, self.nodes = tmp, job, nodes
+        self.tmp, self.job, self.nodes, self.example = tmp, job, nodes, example
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         first = free_port(nodes)
         peers = ",".join(f"{n}=127.0.0.1:{first + n}" for n in range(nodes))
@@ -63,7 +63,7 @@ class Cluster:
         out = open(self.tmp / f"agent{node}.out", "w")
         self.procs[node] = subprocess.Popen(
             [*self.command, "--local-addr", f"127.0.1.{100 + node}", "--node-rank", str(node),
-             "--work-dir", str(self.tmp / f"work{node}"), *EXAMPLE, *example_args],
+             "--work-dir", str(self.tmp / f"work{node}"), *self.example, *example_args],
             env={**self.env, "INMEM_FT_NODE": str(node)}, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
@@ -96,10 +96,11 @@ class Cluster:
 def cluster(tmp_path, job):
     made = []
 
-    def make(nnodes: str, agent_args=(), name: str = ""):
-        """`name`: a run of its own (folder, job id) beside others in the same test."""
+    def make(nnodes: str, agent_args=(), name: str = "", example=EXAMPLE):
+        """`name`: a run of its own (folder, job id) beside others in the same test; `example`: the command the
+        agents run (the DeepSpeed GPT example's by default)."""
         (tmp_path / name).mkdir(exist_ok=True)
-        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args))
+        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args, example))
         return made[-1]
 
     yield make
