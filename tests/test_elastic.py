@@ -74,6 +74,17 @@ class Cluster:
         except subprocess.TimeoutExpired:
             raise AssertionError("agents timed out:\n" + "\n".join(self.out(n)[-4000:] for n in self.procs))
 
+    def shrunk(self, lost: int, example_args, timeout_s: float) -> str:
+        """Every node started with `example_args`, which lose node `lost` for good: the survivors' output, once they
+        finished the run at one node fewer."""
+        for node in range(self.nodes):
+            self.start(node, example_args)
+        codes = self.wait(timeout_s)
+        survivors = [self.out(n) for n in range(self.nodes) if n != lost]
+        assert codes.pop(lost) == -signal.SIGKILL and set(codes.values()) == {0}, survivors[0][-6000:]
+        assert all(f"event=shrink nodes={self.nodes}->{self.nodes - 1}" in out for out in survivors), survivors[0]
+        return "\n".join(survivors)
+
     def out(self, node: int) -> str:
         return (self.tmp / f"agent{node}.out").read_text()
 
