@@ -2,7 +2,10 @@
 --micro-batch-size are kept, the number of micro-batches (Megatron's gradient accumulation, which its
 micro-batch calculator derives from the three) covers the rest (globalbatch.py). Megatron's calculator refuses
 a global batch that does not divide by micro x DP, as one written for the original node count may after a
-shrink: there the block's on_shrink decides before Megatron is initialized."""
+shrink: there the block's on_shrink decides, where install() runs before Megatron checks the batch. It does not
+yet on every release: megatron-core 0.18+ builds the calculator inside parse_and_validate_args, and every release's
+validate_args checks --eval-global-batch-size (default: the global batch) against micro x DP, both before
+install() runs, so there a global batch that does not divide stops with Megatron's own assertion."""
 from __future__ import annotations
 
 import logging
