@@ -8,7 +8,8 @@ With --global-batch G every step trains global batch b of a fixed global order (
 function of b and j), each of the W ranks its G / W consecutive rows: the loss is the mean over the G rows on any
 world size, so under `inmem-ft run --nnodes MIN:MAX` a job that shrinks or grows keeps its global batch with
 larger or smaller per-rank batches (on_shrink, globalbatch.py, where W does not divide G), and resumed from step
-s on any world size it trains batch s + 1 next: no row is skipped or repeated in the global order. Without it each
+s on any world size it trains batch s + 1 next: no row is skipped or repeated in the global order (where
+on_shrink "keep" had to change G, batch b has the new number of rows: the order then differs). Without it each
 rank draws its own batch of 8 per step (the lost rank's rows are not trained after a shrink).
 """
 import argparse
