@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from inmem_ft.errors import STOP_EXIT
+from inmem_ft.errors import SPARE_EXIT
 from inmem_ft.globalbatch import GlobalBatchRefused
 from inmem_ft.integrations.megatron.batch import keep_global_batch
 from test_elastic import cluster  # noqa: F401  (the three agents as nodes)
@@ -41,7 +41,7 @@ def test_megatron_keeps_its_global_batch_on_the_new_dp_size_else_on_shrink_decid
     args.data_parallel_size, args.global_batch_size = 5, 12
     with pytest.raises(GlobalBatchRefused, match="does not divide by micro batch 2 x 5") as e:
         keep_global_batch(args, "refuse")
-    assert e.value.exit_code == STOP_EXIT
+    assert e.value.exit_code == SPARE_EXIT  # inmem-ft run waits for a node to join
     ramp = argparse.Namespace(**{**vars(args), "rampup_batch_size": ["4", "4", "100"]})
     assert keep_global_batch(ramp, "keep") is None and ramp.global_batch_size == 12  # Megatron's own ramp-up
 
