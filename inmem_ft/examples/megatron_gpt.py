@@ -10,7 +10,7 @@ distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provid
 
 Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
 (gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank
-(--die-attempt: the restart it applies to, as torch elastic counts them), --lose-node-at N (after iteration N,
+(--die-attempt: the restart it and --lose-node-at apply to, as torch elastic counts them), --lose-node-at N (after iteration N,
 --die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node), --snapshot-at N (handle.snapshot()
 in iteration N, whatever the interval), and --dump-state PATH --dump-at N (what the resharding tests compare:
 at iteration N, right after a load of it or right after training it, every rank writes PATH.rank<r>.pt: its
@@ -67,9 +67,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], dict]:
             i += 1
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart != own["die_attempt"] or os.environ.get("INMEM_FT_ATTEMPT", "1") != "1":
-        own["die_at"] = None  # restarted after the injected failure: do not fail again
-    if restart:
-        own["lose_node_at"] = None
+        own["die_at"] = own["lose_node_at"] = None  # restarted after the injected failure: do not fail again
     if own["dump_state"]:  # one dump per attempt where the path asks (a shrink's restart dumps the restore)
         own["dump_state"] = own["dump_state"].replace("{restart}", str(restart))
     return DEFAULTS + (CPU_DEFAULTS if CPU else []) + rest, own
