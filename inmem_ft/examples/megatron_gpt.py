@@ -9,9 +9,9 @@ distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provid
         --tensor-model-parallel-size 2 --train-iters 12 --inmem-ft --inmem-ft-interval 3
 
 Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
-(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank
-(--die-attempt: the restart it and --lose-node-at apply to, as torch elastic counts them), --lose-node-at N (after iteration N,
---die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node), --snapshot-at N (handle.snapshot()
+(gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank,
+--lose-node-at N (after iteration N, --die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node;
+--die-attempt: the restart both apply to, as torch elastic counts them), --snapshot-at N (handle.snapshot()
 in iteration N, whatever the interval), and --dump-state PATH --dump-at N (what the resharding tests compare:
 at iteration N, right after a load of it or right after training it, every rank writes PATH.rank<r>.pt: its
 parameter and optimizer pieces in model space, with their boxes, and the counters; "{restart}" in PATH is
