@@ -44,10 +44,10 @@ class Cluster:
     """`nodes` agents on one box, each its own node: its loopback address (torch orders nodes by it), its SMP,
     its work dir; the rendezvous store held by the test, so that losing any node leaves it."""
 
-    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=(), smp_args: str = ""):
+    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=(), smp_args: str = "", example=EXAMPLE):
         from torch.distributed import TCPStore
 
-        self.tmp, self.job, self.nodes = tmp, job, nodes
+        self.tmp, self.job, self.nodes, self.example = tmp, job, nodes, example
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         first = free_port(nodes)
         peers = ",".join(f"{n}=127.0.0.1:{first + n}" for n in range(nodes))
@@ -66,7 +66,7 @@ class Cluster:
         out = open(self.tmp / f"agent{node}.out", "w")
         self.procs[node] = subprocess.Popen(
             [*self.command, "--local-addr", f"127.0.1.{100 + node}", "--node-rank", str(node),
-             "--work-dir", str(self.tmp / f"work{node}"), *EXAMPLE, *example_args],
+             "--work-dir", str(self.tmp / f"work{node}"), *self.example, *example_args],
             env={**self.env, "INMEM_FT_NODE": str(node)}, cwd=self.tmp, stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
         out.close()
@@ -76,6 +76,17 @@ class Cluster:
             return {n: p.wait(timeout=timeout_s) for n, p in self.procs.items()}
         except subprocess.TimeoutExpired:
             raise AssertionError("agents timed out:\n" + "\n".join(self.out(n)[-4000:] for n in self.procs))
+
+    def shrunk(self, lost: int, example_args, timeout_s: float) -> str:
+        """Every node started with `example_args`, which lose node `lost` for good: the survivors' output, once they
+        finished the run at one node fewer."""
+        for node in range(self.nodes):
+            self.start(node, example_args)
+        codes = self.wait(timeout_s)
+        survivors = [self.out(n) for n in range(self.nodes) if n != lost]
+        assert codes.pop(lost) == -signal.SIGKILL and set(codes.values()) == {0}, survivors[0][-6000:]
+        assert all(f"event=shrink nodes={self.nodes}->{self.nodes - 1}" in out for out in survivors), survivors[0]
+        return "\n".join(survivors)
 
     def out(self, node: int) -> str:
         return (self.tmp / f"agent{node}.out").read_text()
@@ -99,10 +110,11 @@ class Cluster:
 def cluster(tmp_path, job):
     made = []
 
-    def make(nnodes: str, agent_args=(), name: str = "", smp_args: str = ""):
-        """`name`: a run of its own (folder, job id) beside others in the same test."""
+    def make(nnodes: str, agent_args=(), name: str = "", smp_args: str = "", example=EXAMPLE):
+        """`name`: a run of its own (folder, job id) beside others in the same test; `example`: the command the
+        agents run (the DeepSpeed GPT example's by default)."""
         (tmp_path / name).mkdir(exist_ok=True)
-        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args, smp_args))
+        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args, smp_args, example))
         return made[-1]
 
     yield make

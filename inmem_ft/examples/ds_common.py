@@ -4,6 +4,7 @@ and training step."""
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import signal
 import time
@@ -91,20 +92,35 @@ def die_if_asked(args: argparse.Namespace, step: int, rank: int, handle) -> None
 def lose_node(handle, wait_s: float = 120.0) -> None:
     """A node's power loss, at a known step: once this rank's newest snapshot is in and its SMP's EC group has
     protected it (what the survivors rebuild is then fixed), SIGKILL the node's SMP, then the agent above this
-    rank (`inmem-ft run`, before it can restart anything), then this rank. One rank per node."""
+    rank (`inmem-ft run`, before it can restart anything), then this rank. One rank per node.
+
+    "Protected" is each member's own view, which it learns by polling the others: a node that went the instant
+    its SMP saw the step protected could leave a peer still polling it, which then gives the step up. So where
+    the other nodes' SMPs listen beside this one (nodes simulated on one box), it waits for them all to say so."""
     from inmem_ft.smp import control
 
     handle.wait()
     socket, newest = handle.snap.config.socket_path, handle.snap.complete
+    sockets = sorted(glob.glob(os.path.join(os.path.dirname(socket), "node*.sock"))) or [socket]
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        status = control.call(socket, "status")
-        if (status["ec"] or {}).get("protected_step") is not None and status["ec"]["protected_step"] >= newest:
+        if all(v is not None and v >= newest for v in map(protected, sockets)):
             break
         time.sleep(0.05)
-    os.kill(status["pid"], signal.SIGKILL)
+    os.kill(control.call(socket, "status")["pid"], signal.SIGKILL)
     os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def protected(socket: str) -> int | float | None:
+    """The newest step the SMP at `socket` sees protected; infinity for one that is gone (a node lost before)."""
+    from inmem_ft.errors import SMPUnavailable
+    from inmem_ft.smp import control
+
+    try:
+        return (control.call(socket, "status")["ec"] or {}).get("protected_step")
+    except SMPUnavailable:
+        return float("inf")
 
 
 def finish(args: argparse.Namespace, engine, handle) -> None:

@@ -10,10 +10,18 @@ distributed optimizer, --save/--load); the inmem_ft lines are `extra_args_provid
 
 Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and picks the CPU settings
 (gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank,
---snapshot-at N (handle.snapshot() in iteration N, whatever the interval), and
---dump-state PATH --dump-at N (what the resharding tests compare: at iteration N, right after a load of it or
-right after training it, every rank writes PATH.rank<r>.pt: its parameter and optimizer pieces in model
-space, with their boxes, and the counters).
+--lose-node-at N (after iteration N, --die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node;
+--die-attempt: the restart both apply to, as torch elastic counts them), --snapshot-at N (handle.snapshot()
+in iteration N, whatever the interval), and --dump-state PATH --dump-at N (what the resharding tests compare:
+at iteration N, right after a load of it or right after training it, every rank writes PATH.rank<r>.pt: its
+parameter and optimizer pieces in model space, with their boxes, and the counters; "{restart}" in PATH is
+torch elastic's restart count).
+
+The data position is Megatron's consumed_train_samples: its pretraining sampler hands global batch b the
+samples [b x G, (b+1) x G) of the global order (G = --global-batch-size), split into micro x DP chunks, each
+rank its micro-batch of every chunk. A job resumed from iteration s on any DP size trains those same samples
+next, in more or fewer micro-batches where the DP size changed (integrations/megatron/batch.py keeps G): no
+sample is skipped or repeated in the global order.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 
 import inmem_ft.telemetry
 from inmem_ft.examples import corrupt
+from inmem_ft.examples.ds_common import lose_node
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU = not torch.cuda.is_available()
@@ -40,14 +49,15 @@ DEFAULTS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 CPU_DEFAULTS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
                 "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
-EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--dump-state": str, "--dump-at": int,
-                 "--snapshot-at": int}
+EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--die-attempt": int, "--lose-node-at": int,
+                 "--dump-state": str, "--dump-at": int, "--snapshot-at": int}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict]:
     """The example's own flags out of the command line; Megatron's parser gets the rest (after the defaults)."""
     own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0,
-                    "dump_state": None, "dump_at": None, "snapshot_at": None}, [], 0
+                    "die_attempt": 0, "lose_node_at": None, "dump_state": None, "dump_at": None,
+                    "snapshot_at": None}, [], 0
     while i < len(argv):
         if argv[i] in EXAMPLE_FLAGS:
             own[argv[i][2:].replace("-", "_")] = EXAMPLE_FLAGS[argv[i]](argv[i + 1])
@@ -55,8 +65,11 @@ def split_argv(argv: list[str]) -> tuple[list[str], dict]:
         else:
             rest.append(argv[i])
             i += 1
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("INMEM_FT_ATTEMPT", "1") != "1":
-        own["die_at"] = None  # restarted after the injected failure: do not fail again
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart != own["die_attempt"] or os.environ.get("INMEM_FT_ATTEMPT", "1") != "1":
+        own["die_at"] = own["lose_node_at"] = None  # restarted after the injected failure: do not fail again
+    if own["dump_state"]:  # one dump per attempt where the path asks (a shrink's restart dumps the restore)
+        own["dump_state"] = own["dump_state"].replace("{restart}", str(restart))
     return DEFAULTS + (CPU_DEFAULTS if CPU else []) + rest, own
 
 
@@ -144,6 +157,8 @@ def log_metrics(own: dict, handle) -> None:
             if handle is not None:
                 handle.wait()  # which snapshot survives is then fixed
             os.kill(os.getpid(), signal.SIGKILL)
+        if iteration == own["lose_node_at"] and torch.distributed.get_rank() == own["die_rank"]:
+            lose_node(handle)
         return stock(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
                      skipped_iter, grad_norm, *args, **kwargs)
 
@@ -245,6 +260,10 @@ def prepare(argv: list[str]):
     args = versions.parse_and_validate_args(extra_args_provider=inmem_megatron.add_args)
     cfg = versions.pretrain_config(args)
     handle = inmem_megatron.install(args)  # the one inmem_ft line (None without --inmem-ft)
+    if int(os.environ.get("RANK", "0")) == 0:
+        dp = args.data_parallel_size
+        print(f"[example] batch global={args.global_batch_size} micro={args.micro_batch_size} "
+              f"accumulation={args.global_batch_size // (args.micro_batch_size * dp)} dp={dp}", flush=True)
     return args, cfg, handle, own
 
 

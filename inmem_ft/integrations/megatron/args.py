@@ -12,6 +12,7 @@ import json
 from ... import argtypes
 from ...config import InmemFTBlock
 from ...errors import ConfigError
+from ...globalbatch import ON_SHRINK
 
 
 _interval = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 1", minimum=1)
@@ -42,6 +43,10 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--inmem-ft-fingerprint-every", type=_fingerprint_every, default=None, metavar="N",
                    help="every N snapshots the data-parallel replicas compare fingerprints of their replicated "
                         "weights (default: the config's fingerprint_every, else 10; 0: off)")
+    g.add_argument("--inmem-ft-on-shrink", choices=ON_SHRINK, default=None,
+                   help="the data-parallel size changed and --global-batch-size does not divide by micro batch x "
+                        "DP: 'keep' trains with the nearest number of micro-batches (and says the new global "
+                        "batch), 'refuse' stops (default: the config's on_shrink, else keep)")
     g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
@@ -65,6 +70,7 @@ def block_from_args(args) -> InmemFTBlock:
     block = read_block(args.inmem_ft_config) if args.inmem_ft_config else InmemFTBlock()
     overrides = {k: v for k, v in (("interval", args.inmem_ft_interval), ("job", args.inmem_ft_job),
                                    ("sentinel_steps", getattr(args, "inmem_ft_sentinel_steps", None)),
-                                   ("fingerprint_every", getattr(args, "inmem_ft_fingerprint_every", None)))
+                                   ("fingerprint_every", getattr(args, "inmem_ft_fingerprint_every", None)),
+                                   ("on_shrink", getattr(args, "inmem_ft_on_shrink", None)))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)
