@@ -128,6 +128,9 @@ class InmemAgent(LocalElasticAgent):
         os.makedirs(self._hb_dir, exist_ok=True)
         # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
         os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
+        # New ranks need their SMP: one started after a dead SMP may still be coming up (its wait, if any, counts
+        # in the time lost's "agent rendezvous", the part before the ranks start; its line says how long).
+        self.smp.ready()
         launched_at = time.time()
         self._say_resized(worker_group)
         with self._onto_standbys():
@@ -159,7 +162,7 @@ class InmemAgent(LocalElasticAgent):
         if not self.smp.alive():
             lost = self.smp.pid
             self.say("smp_lost", pid=lost, text="starting a new one, then restarting the ranks")
-            self.smp.start()  # before torch starts new ranks, which need it
+            self.smp.begin()  # it comes up while the ranks stop and the agents rendezvous (ready() before they start)
             if result.state == WorkerState.HEALTHY:
                 return self._recover_smp(worker_group, beats, lost)
         if result.state == WorkerState.HEALTHY:
