@@ -374,3 +374,45 @@ def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_chang
     assert dynamic_rendezvous._delay is utils._delay
     assert untouched._op_executor.run.__func__ is type(untouched._op_executor).run
     assert untouched._state_holder._cache_duration == 1
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_before_torch_connects(monkeypatch):
+    """A rank other than 0 that comes before rank 0's TCPStore waits for it to listen before torch connects (whose
+    refused connect would back off 0.3-1 s: storewait.py; the time saved is benchmarks/time_lost.py's); rank 0, a
+    store given or an init_method of its own are left to torch, and a port that never listens ends the wait at
+    its bound."""
+    import threading
+
+    import torch.distributed as dist
+
+    from inmem_ft.agent import storewait
+    from inmem_ft.launcher.ports import free_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "1")
+    init = dist.init_process_group
+    assert storewait.applies(init, ("gloo",), {}) == ("127.0.0.1", port)
+    assert storewait.applies(init, ("gloo",), {"rank": 0}) is None
+    assert storewait.applies(init, ("gloo", "tcp://127.0.0.1:1"), {}) is None
+    assert storewait.applies(init, (), {"backend": "gloo", "store": object()}) is None
+    started = time.monotonic()
+    assert not storewait.until_listening("127.0.0.1", port, wait_s=0.1)
+    assert time.monotonic() - started < 5
+    stores = []
+
+    def serve() -> None:
+        time.sleep(0.2)
+        stores.append(dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        assert storewait.until_listening("127.0.0.1", port)
+        server.join()
+        client = dist.TCPStore("127.0.0.1", port, 2, False)
+        client.set("k", "v")  # the probe's closed connection did not upset the store
+        assert stores[0].get("k") == b"v"
+    finally:
+        server.join()
