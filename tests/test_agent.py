@@ -330,8 +330,8 @@ def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, m
 
 def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_changes():
     """Two agents' c10d handlers on a real TCPStore: with the poll scaled (50 ms on 2 nodes), a node that joins a
-    round late finds the other's handler done within a fraction of torch's fixed 1 s poll; torch's module and
-    other handlers keep their 1 s."""
+    round late finds the other's handler done within a fraction of torch's fixed 1 s poll, and only the first
+    round's joins wait torch's random skew; torch's module and other handlers keep their 1 s."""
     import threading
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous, utils
@@ -347,6 +347,16 @@ def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_chang
     untouched = get_rendezvous_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "u", 2, 2))
     assert [rendezvous.scale_polling(h, None) for h in handlers] == [(0.05, 2), (0.05, 2)]
     assert rendezvous.scale_polling(object(), None) is None  # static rendezvous: nothing polls
+    assert all(rendezvous.skew_first_join_only(h) for h in handlers) and not rendezvous.skew_first_join_only(object())
+    assert dynamic_rendezvous._delay is utils._delay  # torch's module keeps its own
+    skews: list = []
+
+    def recorded(seconds) -> None:  # torch's module-level _delay, which the skew and torch's own polls call
+        if isinstance(seconds, tuple):
+            skews.append(seconds)
+        utils._delay(seconds)
+
+    dynamic_rendezvous._delay = recorded
     done: list[list[float]] = [[], []]
     joined: list[float] = []
     late_s = 0.4
@@ -369,9 +379,10 @@ def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_chang
         lags = [max(done[0][r], done[1][r]) - joined[r - 1] for r in (1, 2)]
         assert max(lags) < 0.5, lags  # torch's: up to 1 s for the waiting node's next poll, more for its cache
     finally:
+        dynamic_rendezvous._delay = utils._delay
         for h in (*handlers, untouched):
             h.shutdown()
-    assert dynamic_rendezvous._delay is utils._delay
+    assert len(skews) == 2, skews  # each handler's first join only: the later rounds (restarts) join at once
     assert untouched._op_executor.run.__func__ is type(untouched._op_executor).run
     assert untouched._state_holder._cache_duration == 1
 

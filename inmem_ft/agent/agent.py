@@ -63,6 +63,7 @@ class InmemAgent(LocalElasticAgent):
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(os.path.join(options.work_dir, "standbys"), count, self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
+        rendezvous.skew_first_join_only(self._worker_group.spec.rdzv_handler)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
         if options.nodes[0] < options.nodes[1]:
