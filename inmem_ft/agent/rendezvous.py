@@ -50,9 +50,7 @@ def scale_polling(handler, poll_s: float | None) -> tuple[float, int] | None:
     def delay(seconds) -> None:  # the SYNC poll is the only `_delay` in `run`
         dynamic_rendezvous._delay(poll)
 
-    scoped = {**run.__globals__, "_delay": delay}  # a copy: torch's module keeps its own `_delay`
-    polled_run = types.FunctionType(run.__code__, scoped, run.__name__, run.__defaults__, run.__closure__)
-    executor.run = types.MethodType(polled_run, executor)
+    executor.run = types.MethodType(_with_delay(run, delay), executor)
     holder._cache_duration = poll
     return poll, nodes
 
@@ -70,10 +68,10 @@ def set_last_call(handler, seconds: float) -> bool:
 
 def skew_first_join_only(handler) -> bool:
     """Make `handler` skew its join by torch's random delay at its first rendezvous only (the job's start, when
-    every node joins at once), not at a restart that still finds the state at round 0. Its `next_rendezvous`
-    is torch's own (whatever torch version is installed) with `_delay` bound to a function that waits only
-    before the first join: a restart joins as torch's joins at round 1 and later do. False where the handler is not torch's dynamic rendezvous or its next_rendezvous no
-    longer delays through `_delay`."""
+    every node joins at once), not at a restart that still finds the state at round 0: a restart joins as
+    torch's joins at round 1 and later do. Its `next_rendezvous` is torch's own (whatever torch version is
+    installed) with `_delay` bound to a function that waits only before the first join. False where the
+    handler is not torch's dynamic rendezvous or its next_rendezvous no longer delays through `_delay`."""
     if not isinstance(handler, dynamic_rendezvous.DynamicRendezvousHandler):
         return False
     join = getattr(type(handler), "next_rendezvous", None)
@@ -85,8 +83,7 @@ def skew_first_join_only(handler) -> bool:
         if not joined:
             dynamic_rendezvous._delay(seconds)
 
-    scoped = {**join.__globals__, "_delay": delay}  # a copy: torch's module keeps its own `_delay`
-    skewed = types.FunctionType(join.__code__, scoped, join.__name__, join.__defaults__, join.__closure__)
+    skewed = _with_delay(join, delay)
 
     def next_rendezvous():
         info = skewed(handler)
@@ -95,3 +92,11 @@ def skew_first_join_only(handler) -> bool:
 
     handler.next_rendezvous = next_rendezvous
     return True
+
+
+def _with_delay(function, delay):
+    """torch's `function` with its module's `_delay` bound to `delay`, in a copy of its globals (torch's module
+    keeps its own `_delay`)."""
+    scoped = {**function.__globals__, "_delay": delay}
+    return types.FunctionType(function.__code__, scoped, function.__name__, function.__defaults__,
+                              function.__closure__)
