@@ -137,7 +137,8 @@ def format_status(status: dict) -> str:
                          f"{_or(slot['step'], '-'):>8} {units.human(slot['bytes']):>12}")
     ec = status["ec"]
     if ec:
-        lines.append(f"erasure coding: group {ec['group']}, survives {ec['m']} lost node(s); newest protected "
+        lines.append(f"erasure coding: group {ec['group'] or 'none (too few nodes left)'}, survives {ec['m']} lost "
+                     f"node(s) per group; newest protected "
                      f"step {_or(ec['protected_step'])}; EC lag {_lag(ec['ec_lag_s'])}; parity "
                      f"{units.human(ec['parity_bytes'])}; rebuild {ec['rebuild']}, {ec['rebuilds']} done"
                      + (f"; DEGRADED: {ec['degraded']}" if ec["degraded"] else ""))

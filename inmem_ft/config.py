@@ -163,7 +163,7 @@ class InmemFTBlock:
     on_shrink: str = "keep"
     """The data-parallel size changed (a node lost for good, one taken back) and the global batch does not divide
     by micro batch x DP: 'keep' trains with the nearest gradient accumulation and says the new global batch,
-    'refuse' stops the job instead (globalbatch.py)."""
+    'refuse' waits for a node to join instead (under `inmem-ft run`; globalbatch.py)."""
     partition_dims: dict | None = None
     """Tensor parallelism: {pattern: dim or null} for the parameters whose module does not mark how they are
     split (Megatron's `tensor_model_parallel`/`partition_dim` attributes). A pattern (fnmatch) matches the

@@ -61,6 +61,9 @@ class ForeignSegment(InmemFTError):
 
 
 STOP_EXIT = 65  # a rank's exit code that asks its supervisor not to restart (sysexits' EX_DATAERR: bad data)
+# A rank's exit code that asks `inmem-ft run` to restart only once a node joins (sysexits' EX_TEMPFAIL): the job
+# cannot go on at this node count (on_shrink "refuse": the global batch does not divide), it can at more.
+SPARE_EXIT = 75
 
 
 class RestoredStateBad(InmemFTError):

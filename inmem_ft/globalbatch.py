@@ -3,8 +3,10 @@
 global batch = micro batch x gradient accumulation (GA) x DP. The micro batch is what a device holds, so it
 stays; GA covers the data-parallel ranks that came or went. Where the global batch does not divide by micro x DP,
 the job's `on_shrink` says what to do: "keep" trains with the nearest GA there is (the global batch changes, and
-the line says to what), "refuse" stops the job instead (the rank exits with STOP_EXIT: a restart cannot help),
-for runs whose global batch must not change; bring the node back, or a spare, and start the job again.
+the line says to what), "refuse" waits for a node to join instead, for runs whose global batch must not change:
+the rank exits with SPARE_EXIT, on which `inmem-ft run` restarts the ranks only once a node (the lost one back,
+or a spare) waits to join, saying so every SPARE_SAY_S (agent/sparewait.py); under another supervisor it is a
+failed rank.
 
 Framework-free; the adapters put the result into their framework's config (integrations/deepspeed/batch.py).
 """
@@ -12,15 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import STOP_EXIT, ConfigError
+from .errors import SPARE_EXIT, ConfigError
 
 ON_SHRINK = ("keep", "refuse")
 
 
 class GlobalBatchRefused(ConfigError):
-    """on_shrink is "refuse" and the global batch does not divide by micro x DP: the job stops."""
+    """on_shrink is "refuse" and the global batch does not divide by micro x DP: the job waits for a node."""
 
-    exit_code = STOP_EXIT
+    exit_code = SPARE_EXIT
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,6 @@ def for_dp(global_batch: int, micro: int, dp: int, on_shrink: str = "keep") -> B
     if on_shrink == "refuse":
         raise GlobalBatchRefused(
             f"inmem_ft: global batch {global_batch} does not divide by micro batch {micro} x {dp} data-parallel "
-            f"ranks, and on_shrink is \"refuse\": the job stops rather than train on another global batch; start "
-            f"it again on a node count where it divides (or set on_shrink \"keep\")")
+            f"ranks, and on_shrink is \"refuse\": the job waits for a node to join rather than train on another "
+            f"global batch (inmem-ft run restarts it once one does; set on_shrink \"keep\" to go on instead)")
     return Batch(micro, max(1, round(global_batch / per_step)), dp, global_batch, on_shrink)

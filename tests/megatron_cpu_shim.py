@@ -202,8 +202,15 @@ def _stand_in_modules() -> None:
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda *a, clone=False, **kw: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **kw: torch.set_rng_state(state)
+    # graph_safe: the cudagraphable tracker (Transformer Engine's shape) holds torch.Generator objects. CPU
+    # generators have no graphsafe_get_state; a clone of the CPU generator's state, set back by value, is what
+    # the tracker's fork() sees of CUDA's (it reads the state after the region and sets the saved one back).
+    mrandom._get_cuda_rng_state = lambda *a, clone=False, graph_safe=False, **kw: (
+        torch.default_generator.clone_state() if graph_safe else torch.get_rng_state())
+    mrandom._set_cuda_rng_state = lambda state, *a, graph_safe=False, **kw: torch.set_rng_state(
+        state.get_state() if graph_safe else state)
+    if not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):  # the tracker asserts torch has it
+        torch.cuda.CUDAGraph.register_generator_state = lambda self, generator: None
     import megatron.core.datasets.utils as dutils
 
     dutils.compile_helpers = lambda: None  # rank 0 would run `make`; the wheel ships no Makefile

@@ -1,15 +1,19 @@
 """Issue 30, item 1: DeepSpeed's pipeline engine (PipelineModule, ZeRO-0/1) protected by inmem_ft, on CPU/gloo
 with real SMPs: a tied embedding/LM head on the first and last stage, dropout on every stage, a data iterator
 with a position. kill -9 a rank, restart, resume from memory with the losses of the uninterrupted run bit for
-bit; the shard map keys every parameter by its layer index, whichever stage holds it."""
+bit; the shard map keys every parameter by its layer index, whichever stage holds it. train_batch()'s loss reaches
+the check after a restore (issue 40)."""
+import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
 
 from conftest import wait_for_log
+from ds_harness import free_port
 from inmem_ft.launcher.simulated import SimulatedCluster
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.snapshot import catalog
@@ -254,3 +258,56 @@ def test_pp2_dp2_export_loads_in_stock_deepspeed_at_pp2_dp2_and_pp2_dp1(job, run
 def test_pp1_export_loads_in_stock_deepspeed_at_pp2(job, runtime):
     """A PipelineModule in one stage: its snapshot is keyed by layer too, and exports as a pipeline's."""
     source_and_export(job, runtime, 1, 1, [(2, 2)], pp=1)
+
+
+SCREEN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import torch
+    from inmem_ft.errors import RestoredStateBad
+    from inmem_ft.examples.deepspeed_gpt import ds_config
+    from inmem_ft.examples.deepspeed_pipe import Batches, pipeline
+    from inmem_ft.examples.ds_common import start
+    from inmem_ft.integrations.deepspeed import install
+
+    deepspeed = start()
+
+    def engine():
+        torch.manual_seed(0)
+        config = ds_config(1, "fp32", 2, 4, 2)
+        config["inmem_ft"].update(job=sys.argv[2], sentinel_steps=5)
+        model = pipeline(1, 32, 4, 0.0, 1)
+        return deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)[0]
+
+    data = Batches(1, 0)
+    first = engine()
+    handle = install(first)
+    for _ in range(4):  # snapshots at 2 and 4; the one of step 4 records the 4 losses before it
+        first.train_batch(data)
+    handle.close()
+    second = engine()
+    handle = install(second)
+    out = {"step": handle.restored.step, "screening": handle.snap.screening}
+    second.train_batch(data)  # a healthy step: under the bound
+    with torch.no_grad():
+        next(second.module.parameters()).fill_(float("nan"))  # what a restored state gone bad would train on
+    try:
+        second.train_batch(data)
+    except RestoredStateBad as e:
+        out["tripped"] = str(e)
+    handle.close()
+    print("RESULT " + json.dumps(out))
+    from inmem_ft.teardown import run_main
+    run_main(lambda: None)  # the gloo groups go before the interpreter finalizes (teardown.py)
+""")
+
+
+def test_train_batch_losses_reach_the_check_after_a_restore(job, smp):
+    """One process, one stage: the restored pipeline engine's train_batch() loss is screened like engine.step()'s
+    (a NaN two steps after the restore trips the check and marks the restored step bad)."""
+    proc = subprocess.run([sys.executable, "-c", SCREEN_SCRIPT, str(free_port()), job], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert out["step"] == 4 and out["screening"], out
+    assert "step 6 after the restore from step 4: loss nan: step 4 is marked bad" in out.get("tripped", ""), out

@@ -67,19 +67,23 @@ def _dotted(node) -> str:
     return ""
 
 
-def test_every_collective_names_its_group():
+def default_group_collectives(rel: str, tree) -> list[str]:
     bad = []
-    for rel, tree in _modules():
-        for fn, node in _functions(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in COLLECTIVES and _dotted(node.func.value) in COLLECTIVE_MODULES):
-                continue
-            group = next((k.value for k in node.keywords if k.arg == "group"), None)
-            if group is not None and not (isinstance(group, ast.Constant) and group.value is None) \
-                    and not _dotted(group).endswith("WORLD"):
-                continue
-            if (rel, fn, node.func.attr) not in TRAINING_COLLECTIVES:
-                bad.append(f"inmem_ft/{rel}:{node.lineno} {fn}: {node.func.attr} on the default group")
+    for fn, node in _functions(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in COLLECTIVES and _dotted(node.func.value) in COLLECTIVE_MODULES):
+            continue
+        group = next((k.value for k in node.keywords if k.arg == "group"), None)
+        if group is not None and not (isinstance(group, ast.Constant) and group.value is None) \
+                and not _dotted(group).endswith("WORLD"):
+            continue
+        if (rel, fn, node.func.attr) not in TRAINING_COLLECTIVES:
+            bad.append(f"inmem_ft/{rel}:{node.lineno} {fn}: {node.func.attr} on the default group")
+    return bad
+
+
+def test_every_collective_names_its_group():
+    bad = [line for rel, tree in _modules() for line in default_group_collectives(rel, tree)]
     assert not bad, "collectives without a group of ours (NCCL takes no host tensor):\n" + "\n".join(bad)
 
 
@@ -157,15 +161,38 @@ def _host_functions(tree) -> set:
     return out
 
 
-def test_numpy_only_on_host_tensors():
+def unproven_numpy(rel: str, tree) -> list[str]:
     bad = []
-    for rel, tree in _modules():
-        host_functions = _host_functions(tree)
-        fns = {n: node for n, node in _functions(tree) if isinstance(node, ast.FunctionDef)}
-        for fn, node in _functions(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy"
-                    and not node.args) or (rel, fn) in HOST_VIEWS:
-                continue
-            if fn not in fns or not _Host(fns[fn], host_functions).expr(node.func.value, node.lineno):
-                bad.append(f"inmem_ft/{rel}:{node.lineno} {fn}: .numpy() of {ast.unparse(node.func.value)}")
+    host_functions = _host_functions(tree)
+    fns = {n: node for n, node in _functions(tree) if isinstance(node, ast.FunctionDef)}
+    for fn, node in _functions(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numpy"
+                and not node.args) or (rel, fn) in HOST_VIEWS:
+            continue
+        if fn not in fns or not _Host(fns[fn], host_functions).expr(node.func.value, node.lineno):
+            bad.append(f"inmem_ft/{rel}:{node.lineno} {fn}: .numpy() of {ast.unparse(node.func.value)}")
+    return bad
+
+
+def test_numpy_only_on_host_tensors():
+    bad = [line for rel, tree in _modules() for line in unproven_numpy(rel, tree)]
     assert not bad, ".numpy() on a value that may be a device tensor (.cpu() it first):\n" + "\n".join(bad)
+
+
+def test_each_rule_finds_what_it_forbids():
+    """So that neither rule passes by matching nothing: a sample module's default-group collectives and
+    unproven .numpy() calls are found, its grouped collective and host-proven .numpy() calls are not."""
+    sample = ast.parse(
+        "def f(x, g):\n"
+        "    dist.all_reduce(x)\n"
+        "    dist.broadcast(x, 0, group=None)\n"
+        "    dist.all_reduce(x, group=g)\n"
+        "    x.numpy()\n"
+        "    x.cpu().numpy()\n"
+        "    y = torch.zeros(3)\n"
+        "    y.numpy()\n"
+        "    z = x if x.device.type == 'cpu' else x.cpu()\n"
+        "    z.numpy()\n")
+    assert [line.split(" ")[0] for line in default_group_collectives("sample.py", sample)] == \
+        ["inmem_ft/sample.py:2", "inmem_ft/sample.py:3"]
+    assert [line.split(" ")[0] for line in unproven_numpy("sample.py", sample)] == ["inmem_ft/sample.py:5"]

@@ -2,16 +2,21 @@
 due complete steps with the last K kept, a torn flush cleaned at start and never adopted, adoption of the
 flushed steps into empty memory; and a SIGTERM that lands while a step is being committed (one rank
 committed it, the other not yet) flushes that newer step for that rank only, beside the complete step, and
-the resume drops it (what tests/test_slurm.py's preemption scenario meets by chance)."""
+the resume drops it (what tests/test_slurm.py's preemption scenario meets by chance). A snapshot's recorded
+losses travel to the disk tier with it: a restore from there screens the steps after it against their bound."""
 import json
 import os
 import signal
 
 import pytest
+import torch
 
 from conftest import wait_for_log
+from test_sentinel import _train as train
 from test_hardening import _write_rank as write_rank
-from inmem_ft.errors import SMPUnavailable
+from inmem_ft.capture.snapshotter import Snapshotter
+from inmem_ft.config import SnapshotConfig
+from inmem_ft.errors import RestoredStateBad, SMPUnavailable
 from inmem_ft.smp import control, disktier, inventory, paths
 from inmem_ft.smp.client import SMPClient
 from inmem_ft.snapshot import segment as seg
@@ -112,3 +117,21 @@ def test_sigterm_mid_commit_flushes_the_newer_step_for_its_rank_only_and_the_res
     finally:
         client.close()
         control.stop(sock, wipe=True)
+
+
+def test_a_restore_from_the_disk_tier_learns_the_bound_from_the_recorded_losses(job, smp_with_disk):
+    base, sock, log = smp_with_disk("--persist-every-steps", "6")  # one flush: no snapshot skipped for its lag
+    config = SnapshotConfig(job=job, interval=2, sentinel_steps=5)
+    with Snapshotter(config) as snap:
+        train(snap, torch.zeros(4), 1, 6, lambda s: 3.0 - 0.1 * s)
+    wait_for_log(log, "event=flushed step=6 ", timeout=20)
+    control.stop(sock, wipe=True)  # the node's memory and the SMP's records beside the slots are gone
+    smp_with_disk("--persist-every-steps", "6")
+    with Snapshotter(config) as snap:
+        state = snap.restore()
+        assert (snap.last_restore.step, snap.last_restore.source) == (6, DISK)
+        assert torch.equal(state["w"], torch.full((4,), 6.0))
+        assert snap.last_restore.losses == pytest.approx([3.0 - 0.1 * s for s in range(1, 7)])
+        snap.observe(7, torch.tensor(2.35))
+        with pytest.raises(RestoredStateBad, match=r"step 8 after the restore from step 6: loss 9 above the bound"):
+            snap.observe(8, torch.tensor(9.0))

@@ -2,7 +2,8 @@
 (one rank each, their SMPs an EC group with m=1) of the DeepSpeed GPT example, ZeRO-2, a global batch of 12 in
 micro batches of 2. A node lost for good with `--nnodes 2:3`: the survivors go on at 2 nodes, resharding step 6
 from memory (the lost node's shards from parity), the state right after the restore equal to the 3-node run's
-at step 6, the global batch kept by a larger gradient accumulation, the data position continuous."""
+at step 6, the global batch kept by a larger gradient accumulation, the data position continuous; the SMPs' EC
+groups formed again over the two survivors, so that the first snapshot after the shrink is protected."""
 import contextlib
 import json
 import os
@@ -18,9 +19,11 @@ import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from conftest import ROOT
+from inmem_ft import events
 from inmem_ft.agent import rendezvous, run
+from inmem_ft.cluster.groups import Groups
 from inmem_ft.config import InmemFTBlock
-from inmem_ft.errors import STOP_EXIT, ConfigError, InmemFTError
+from inmem_ft.errors import SPARE_EXIT, ConfigError, InmemFTError
 from inmem_ft.globalbatch import GlobalBatchRefused, for_dp
 from inmem_ft.integrations.deepspeed.batch import keep_global_batch
 from inmem_ft.launcher.ports import free_port
@@ -41,7 +44,7 @@ class Cluster:
     """`nodes` agents on one box, each its own node: its loopback address (torch orders nodes by it), its SMP,
     its work dir; the rendezvous store held by the test, so that losing any node leaves it."""
 
-    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=()):
+    def __init__(self, tmp, job: str, nodes: int, nnodes: str, agent_args=(), smp_args: str = ""):
         from torch.distributed import TCPStore
 
         self.tmp, self.job, self.nodes = tmp, job, nodes
@@ -55,7 +58,7 @@ class Cluster:
                         "--rdzv-backend", "c10d", "--rdzv-id", job, "--rdzv-endpoint", f"127.0.0.1:{self.store.port}",
                         "--rdzv-conf", f"is_host=0,{KEEP_ALIVE}", "--max-restarts", "2", "--monitor-interval", "0.1",
                         "--job", job, "--memory-budget", "128MiB", "--standbys", "0", "--wipe-on-exit", "1",
-                        "--smp-args", f"--parity 1 --nodes {nodes} --group-size {nodes} --peers {peers}",
+                        "--smp-args", f"--parity 1 --nodes {nodes} --group-size {nodes} --peers {peers} {smp_args}",
                         *agent_args]
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -96,10 +99,10 @@ class Cluster:
 def cluster(tmp_path, job):
     made = []
 
-    def make(nnodes: str, agent_args=(), name: str = ""):
+    def make(nnodes: str, agent_args=(), name: str = "", smp_args: str = ""):
         """`name`: a run of its own (folder, job id) beside others in the same test."""
         (tmp_path / name).mkdir(exist_ok=True)
-        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args))
+        made.append(Cluster(tmp_path / name, job + name, NODES, nnodes, agent_args, smp_args))
         return made[-1]
 
     yield make
@@ -143,6 +146,15 @@ def test_a_node_lost_for_good_the_survivors_reshard_from_memory_and_go_on_with_t
     # The time the shrink cost, part by part, as for any restart (the restore line names the two layouts).
     [split] = json.loads((tmp_path / "work0" / "time_lost.json").read_text())
     assert split["restored_step"] == 6 and all(p["seconds"] is not None for p in split["parts"]), split
+    # Protection after the shrink: each survivor's SMP formed its group over the two survivors (G 3 -> 2, said)
+    # before the ranks restarted, and the first snapshot after the shrink (step 9) is protected by it.
+    for node, out in zip((0, 1), survivors):
+        assert "event=ec_groups nodes=0,1 group=0,1: the steps from the next snapshot on are protected by EC " \
+               "group [0, 1] of [[0, 1]] (G=2, fewer than the configured 3: 2 nodes are left)" in out, out
+        records = events.read(str(tmp_path / f"work{node}" / events.FILE))
+        protected = {r["fields"]["step"]: r["fields"]["group"] for r in events.where(records, "protected", role="smp")}
+        assert protected[6] == [0, 1, 2] and protected[9] == [0, 1], protected
+        assert not [r for r in events.where(records, "protect_failed", role="smp")], records
 
 
 @pytest.mark.parametrize("dp, on_shrink, accumulation, size", [
@@ -155,10 +167,22 @@ def test_the_accumulation_covers_the_ranks_that_came_or_went_else_on_shrink_deci
     assert (f"a global batch of {size}" in batch.note()) == (size != 12)
 
 
-def test_on_shrink_refuse_stops_the_job_with_one_line_and_bad_values_are_refused():
+@pytest.mark.parametrize("survivors, size, m, sets", [
+    ([0, 1], 3, 1, [[0, 1]]), ([0, 2], 3, 1, [[0, 2]]), ([0, 1, 2, 4, 5, 6, 7], 4, 1, [[0, 1, 2, 4], [5, 6, 7]]),
+    (range(5), 4, 2, [[0, 1, 2, 3, 4]]), (range(8), 4, 1, [[0, 1, 2, 3], [4, 5, 6, 7]]), ([3], 3, 1, None),
+    ([0, 1], 3, 2, None)])
+def test_ec_groups_are_formed_over_the_survivors_at_most_g_to_a_group_or_none_when_m_is_too_many(survivors, size, m,
+                                                                                                 sets):
+    groups = Groups.over(survivors, size, m)
+    assert (groups and [list(s) for s in groups.sets]) == sets
+    if groups:
+        assert groups.members(sets[-1][-1]) == sets[-1] and groups.position(sets[0][0]) == 0
+
+
+def test_on_shrink_refuse_waits_for_a_node_with_one_line_and_bad_values_are_refused():
     with pytest.raises(GlobalBatchRefused, match="does not divide by micro batch 2 x 5 data-parallel ranks") as e:
         for_dp(12, 2, 5, "refuse")
-    assert e.value.exit_code == STOP_EXIT  # the agent does not restart into the same refusal
+    assert e.value.exit_code == SPARE_EXIT  # the agent restarts only once a node joins
     with pytest.raises(ConfigError, match="'on_shrink' = 'wait': must be one of"):
         InmemFTBlock.from_dict({"on_shrink": "wait"})
     config = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
@@ -236,9 +260,10 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
     def ec():
         return control.call(smp0, "status")["ec"]
 
-    # The SMPs' groups still span the lost node: the steps after the shrink go unprotected, and say so.
-    until(lambda: ec()["degraded"], "degraded EC status")
-    assert "is unreachable" in ec()["degraded"] and "DEGRADED: step" in subprocess.run(
+    # The SMPs' groups are formed again over the two survivors, and protect the steps after the shrink.
+    until(lambda: ec()["group"] == [0, 1] and ec()["degraded"] is None and ec()["protected_step"] > 6,
+          "protection over the 2 survivors")
+    assert "erasure coding: group [0, 1], survives 1 lost node(s) per group" in subprocess.run(
         [sys.executable, "-m", "inmem_ft", "smp", "status", "--socket", smp0], capture_output=True, text=True,
         env=c.env).stdout
     c.start(LOST, args)
@@ -248,7 +273,8 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
     until(lambda: pattern.search(c.out(LOST)), "restore onto DP 3")
     grown = int(pattern.search(c.out(LOST)).group(1))
     until(lambda: max(json.loads(ln)["step"] for ln in open(log)) >= grown + 2 * INTERVAL, "training at 3 nodes")
-    until(lambda: ec()["degraded"] is None and ec()["protected_step"] > grown, "protection over 3 nodes again")
+    until(lambda: ec()["group"] == [0, 1, 2] and ec()["degraded"] is None and ec()["protected_step"] > grown,
+          "protection over 3 nodes again")
     for p in c.procs.values():
         p.send_signal(signal.SIGTERM)
     assert set(c.wait(120).values()) == {128 + signal.SIGTERM}
@@ -259,3 +285,71 @@ def test_a_node_that_joins_after_a_shrink_is_taken_in_at_the_next_snapshot(clust
     restarts = [i for i in range(1, len(steps)) if steps[i] != steps[i - 1] + 1]
     assert [steps[i] for i in restarts][:2] == [7, grown + 1], steps
     assert all(steps[i] <= steps[i - 1] for i in restarts), steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["disk", "none"])
+def test_a_second_loss_before_the_first_snapshot_after_a_shrink_is_protected_falls_to_the_disk_tier(cluster,
+                                                                                                     tmp_path, tier):
+    """Node 2 is lost after step 7 (the job goes on at 2 nodes from step 6), then node 1 after step 8 of the
+    2-node run, before its first snapshot (step 9): two of the three nodes that protect step 6 are gone, so node 0
+    alone cannot rebuild it from memory. Its SMP says it runs unprotected now (one node, m=1), and the rank
+    resumes from step 6 on the SMPs' disk tier, with one line saying what was lost and which step is loaded from
+    disk, no traceback; the job trains to the end on one node. Without a disk tier the one line says that, and the
+    job stops (a restart cannot help)."""
+    disk = tmp_path / "disk"
+    c = cluster("1:3", ["--spare-wait", "1"],
+                smp_args=f"--persist-dir {disk} --persist-every-steps {INTERVAL}" if tier == "disk" else "")
+    log = tmp_path / "loss.jsonl"
+    lose = {LOST: ["--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)],
+            1: ["--lose-node-at", "8", "--die-rank", "1", "--die-attempt", "1"]}
+    for node in range(NODES):
+        c.start(node, ["--loss-log", str(log), *lose.get(node, [])])
+    codes = c.wait(300)
+    out = c.out(0)
+    assert codes == {0: 0 if tier == "disk" else 1, 1: -signal.SIGKILL, 2: -signal.SIGKILL}, out[-4000:]
+    assert "event=shrink nodes=3->2" in out and "event=shrink nodes=2->1" in out, out[-4000:]
+    assert "event=ec_groups nodes=0 group=none: 1 node(s) left, too few for m=1" in out
+    if tier == "none":
+        [line] = [ln for ln in out.splitlines() if "NothingToResume" in ln]
+        assert "node(s) [1] are lost" in line and "the SMPs run without a disk tier" in line, line
+        assert "Traceback" not in out[out.index("NothingToResume"):] and "event=job_stopped" in out
+        return
+    # Node 2's listing is still known from the shrink's restore (decoded then): node 1 is what is missing.
+    [line] = [ln for ln in out.splitlines() if "event=memory_lost" in ln]
+    assert "node(s) [1] are lost" in line and f"step 6 is loaded from the disk tier ({disk / c.job})" in line, line
+    restore = next(ln for ln in out.splitlines() if "restore rank=0 step=6 source=memory_resharded" in ln
+                   and "to=tp1.pp1.dp1.zero2" in ln)
+    assert "from=tp1.pp1.dp3.zero2" in restore and "bytes_disk=" in restore and "bytes_memory" not in restore
+    assert "Traceback" not in out[out.index("event=memory_lost"):]  # (the ranks a lost peer failed print theirs)
+    assert "[example] batch global=12 micro=2 accumulation=6 dp=1" in out  # the global batch kept on one node
+    steps = [json.loads(line)["step"] for line in open(log)]
+    assert steps[-(STEPS - 6):] == list(range(7, STEPS + 1)), steps
+
+
+@pytest.mark.slow
+def test_on_shrink_refuse_waits_for_a_node_to_join_and_goes_on_with_it(cluster, tmp_path):
+    """A global batch of 6 in micro batches of 2 does not divide on 2 nodes: with on_shrink "refuse", the survivors
+    of node 2's loss do not train on another global batch; their ranks exit with SPARE_EXIT and the agents wait,
+    saying so, until node 2 comes back (a new agent, an empty SMP that rebuilds step 6 from parity); the job goes
+    on at 3 nodes from step 6."""
+    c = cluster("2:3", ["--spare-wait", "1"])
+    log = tmp_path / "loss.jsonl"
+    batch = ["--global-batch", "6", "--micro-batch", "2", "--on-shrink", "refuse", "--loss-log", str(log)]
+    for node in range(NODES):
+        c.start(node, [*batch, "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)])
+    deadline = time.monotonic() + 300
+    while "event=spare_wait" not in c.out(0):
+        assert time.monotonic() < deadline and c.procs[0].poll() is None, c.out(0)[-4000:]
+        time.sleep(0.2)
+    c.start(LOST, batch)
+    codes = c.wait(300)
+    out = c.out(0)
+    assert codes == {0: 0, 1: 0, 2: 0}, out[-4000:]
+    assert "on_shrink is \"refuse\": the job waits for a node to join" in out
+    assert "event=spare_joined" in out and "event=grow nodes=2->3" in out, out[-4000:]
+    assert out.count("[example] batch global=6 micro=2 accumulation=1 dp=3") == 2  # at the start, and back at 3
+    assert "accumulation=1 dp=2" not in out  # never trained on another global batch
+    assert re.search(r"restore rank=2 step=6 source=(peer_reconstruction|memory) ", c.out(LOST)), c.out(LOST)[-4000:]
+    steps = [json.loads(line)["step"] for line in open(log)]
+    assert steps == [*range(1, LOST_AT + 1), *range(7, STEPS + 1)], steps

@@ -1,10 +1,12 @@
 """Issue 40, part 2: every K-th snapshot the data-parallel replicas compare fingerprints of the replicated bytes
 they hold (capture/fingerprint.py). A rank whose weights had a bit flipped is named, its node too, with the
-tensor; the step is marked bad on every SMP and never restored; fingerprints on or off train the same losses."""
+tensor; the step is marked bad on every SMP and never restored; fingerprints on or off train the same losses. A
+device tensor's digest is computed with torch ops where it lives (the same function on the host here)."""
 import json
 
 import numpy as np
 import pytest
+import torch
 
 from inmem_ft.capture import fingerprint
 from inmem_ft.examples.corrupt import FLIP_AT, FLIP_RANK
@@ -29,6 +31,51 @@ def test_shares_cover_the_region_and_the_majority_names_the_suspect():
     assert d.suspects == []  # two replicas: which one is wrong cannot be told
     digests = [np.array([7, 8, 9], dtype=np.uint64), np.array([7, 0, 9], dtype=np.uint64)]
     assert fingerprint.differing(shares[0] + shares[1], digests) == [2]
+
+
+def _reference_sums(data: np.ndarray) -> list[int]:
+    """chunk_sums in plain Python integers: what the torch ops must compute exactly."""
+    w = fingerprint.weights(torch.device("cpu")).numpy().astype(object)
+    return [int((data[s: s + fingerprint.CHUNK].astype(object) * w[: len(data[s: s + fingerprint.CHUNK])]).sum())
+            for s in range(0, len(data), fingerprint.CHUNK)]
+
+
+def test_the_device_digest_is_exact_position_dependent_and_catches_every_flipped_byte():
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (3 * fingerprint.CHUNK + 1000,), dtype=torch.uint8, generator=g)
+    sums = fingerprint.chunk_sums(data)
+    assert sums.dtype == torch.int64 and sums.tolist() == _reference_sums(data.numpy())
+    assert fingerprint.chunk_sums(data[5:17]).tolist() == _reference_sums(data[5:17].numpy())  # any offset, a tail
+    assert fingerprint.chunk_sums(data[:0]).numel() == 0
+    for at in (0, 1, fingerprint.CHUNK - 1, 2 * fingerprint.CHUNK + 7, data.numel() - 1):
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[at] ^= 1 << bit
+            assert not torch.equal(fingerprint.chunk_sums(flipped), sums), (at, bit)
+    swapped = data.clone()
+    swapped[[10, 11]] = data[[11, 10]]
+    assert data[10] != data[11] and not torch.equal(fingerprint.chunk_sums(swapped), sums)
+
+
+def test_each_piece_is_digested_where_it_lives_and_the_slot_fills_in_the_host_pieces():
+    values = [torch.arange(64, dtype=torch.float32), torch.ones(16, dtype=torch.bfloat16)]
+    pieces = [fingerprint.Piece(0, 0, 256, 0), fingerprint.Piece(1, 0, 32, 256)]
+    slot = torch.cat([v.view(torch.uint8) for v in values]).numpy()
+    full = fingerprint.of_state(values, pieces)
+    assert not fingerprint.of_state(values, pieces, device_only=True).any()  # no device tensors here
+    assert np.array_equal(fingerprint.of_slot(slot, pieces, values, np.zeros(2, dtype=np.uint64)), full)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_piece_digests_on_the_device_as_the_host_would():
+    data = torch.randint(0, 256, (5 * fingerprint.CHUNK + 3,), dtype=torch.uint8)
+    assert torch.equal(fingerprint.chunk_sums(data.cuda()).cpu(), fingerprint.chunk_sums(data))
+    values = [torch.randn(1000).cuda(), torch.randn(10)]
+    pieces = [fingerprint.Piece(0, 4, 4000, 0), fingerprint.Piece(1, 0, 40, 3996)]
+    own = fingerprint.of_state(values, pieces, device_only=True)
+    assert own[0] and not own[1]
+    slot = torch.cat([values[0].cpu().view(torch.uint8)[4:], values[1].view(torch.uint8)]).numpy()
+    assert np.array_equal(fingerprint.of_slot(slot, pieces, values, own), fingerprint.of_state(values, pieces))
 
 
 @pytest.fixture
@@ -104,3 +151,24 @@ def test_deepspeed_zero2_replicas_that_disagree_are_caught_and_the_step_never_re
         second = c.run(example)
         assert second.ok, c.rank_log(second.number, second.first_failure or 0)
         assert "restore rank=0 step=2 source=memory" in c.rank_log(second.number, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1])
+def test_deepspeed_bf16_replicas_agree_on_every_snapshot_of_a_healthy_run(job, runtime, stage):
+    """bf16 ZeRO-0/1 on 2 nodes, every snapshot compared: no false positive (the replicas' bf16 weights, fp32
+    masters and moments are the same bytes on both), and the run trains to the end."""
+    from inmem_ft.examples.deepspeed_gpt import ds_config
+
+    config = ds_config(stage, "bf16", 2)
+    config["inmem_ft"]["fingerprint_every"] = 1
+    path = runtime / "ds.json"
+    path.write_text(json.dumps(config))
+    example = ["-m", "inmem_ft.examples.deepspeed_gpt", "--zero-stage", str(stage), "--dtype", "bf16", "--steps",
+               "8", "--interval", "2", "--config", str(path)]
+    with SimulatedCluster(2, 1, job, 256 << 20, str(runtime / "logs"), env={"DS_ACCELERATOR": "cpu"}) as c:
+        attempt = c.run(example)
+        assert attempt.ok, c.rank_log(attempt.number, attempt.first_failure or 0)
+        for rank in (0, 1):
+            out = c.rank_log(attempt.number, rank)
+            assert out.count("event=replicas_agree") == 4 and "replica_mismatch" not in out, out[-3000:]

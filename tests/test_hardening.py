@@ -394,7 +394,7 @@ def main():
         snap.close()  # ~ProcessGroupGloo joins that worker: it would wait for the group's 120 s timeout
         print("closed at", time.time(), flush=True)
     else:
-        time.sleep(60)  # alive, connected, and not in the collective, until well after rank 0 is gone
+        time.sleep(25)  # alive, connected, and not in the collective, until well after rank 0 is gone
         print("closing at", time.time(), flush=True)
         snap.close()
 
@@ -412,7 +412,7 @@ def test_a_destroy_of_our_group_that_cannot_end_is_bounded_and_said_in_one_line(
         assert attempt.ok, log
         closed = float(re.search(r"closed at ([\d.]+)", log).group(1))
         other = float(re.search(r"closing at ([\d.]+)", cluster.rank_log(attempt.number, 1)).group(1))
-        assert closed < other - 30, log  # not when rank 1 closed, nor at the group's timeout
+        assert closed < other - 15, log  # not when rank 1 closed, nor at the group's 120 s timeout
         [line] = [line for line in log.splitlines() if "event=teardown_stuck" in line]
         assert "did not end in 2 s" in line and "closed" in log
 

@@ -255,3 +255,30 @@ def test_generators_roundtrip_as_their_state():
     assert got["model-parallel-rng"] is back["again"]
     for name, original in tracker.items():
         assert torch.equal(torch.randn(5, generator=got[name]), torch.randn(5, generator=original)), name
+
+
+def test_precision_aware_optimizer_state_roundtrips_bit_exact():
+    """Megatron's use_precision_aware_optimizer (Transformer Engine's FusedAdam, absent on CPU: its state as
+    megatron-core 0.19.2's distributed optimizer lays it out) keeps exp_avg/exp_avg_sq in bf16, fp16 or fp8
+    (uint8 bytes), and with bf16 and store_param_remainders the master weights as int16 remainders beside the
+    bf16 parameters. Each comes back in its dtype with every bit (NaN and subnormal patterns included), mixed
+    dtypes side by side in one slot."""
+    g = torch.Generator().manual_seed(3)
+
+    def bits(n, dtype):  # any bit pattern of `dtype`, not only the values a float draw gives
+        return torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g).view(dtype)
+
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16, torch.bfloat16).bucket_idx_0"
+    state = {"model": {"decoder.layers.self_attention.linear_qkv.weight": bits(4096, torch.bfloat16)},
+             "optimizer": {f"{bucket}.param": bits(4096, torch.int16),
+                           f"{bucket}.exp_avg": bits(4096, torch.bfloat16),
+                           f"{bucket}.exp_avg_sq": bits(4096, torch.bfloat16),
+                           "fp8_bucket.exp_avg": bits(1000, torch.uint8),
+                           "fp16_bucket.exp_avg_sq": bits(999, torch.float16),
+                           "step": torch.tensor(7)}}
+    back, _ = roundtrip(state)
+    for part in ("model", "optimizer"):
+        for key, want in state[part].items():
+            got = back[part][key]
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), key

@@ -19,10 +19,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from .. import events, telemetry
-from ..errors import STOP_EXIT
+from ..errors import SPARE_EXIT, STOP_EXIT
 from ..smp import control
 from .worker import RECORD_DIR
-from . import hangs, lines, rendezvous
+from . import hangs, lines, membership, rendezvous, sparewait
 from .clock import RecoveryClock
 from .node_smp import NodeSMP
 from .handover import from_standbys, onto
@@ -60,12 +60,15 @@ class InmemAgent(LocalElasticAgent):
         self._hb_dir = ""
         self._alive_at: float | None = None  # the last poll that found every local rank running
         self._nodes_now: int | None = None  # nodes in the last rendezvous
+        self._members: list[int] | None = None  # with a node range: the SMP node ids of the last rendezvous
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(os.path.join(options.work_dir, "standbys"), count, self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
         rendezvous.skew_first_join_only(self._worker_group.spec.rdzv_handler)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
+        self._spare_needed = False  # a rank exited with SPARE_EXIT: the next restart waits for a node to join
+        self._waiting = self._worker_group.spec.rdzv_handler.num_nodes_waiting  # torch's, before _joins_at_snapshots
         if options.nodes[0] < options.nodes[1]:
             self._joins_at_snapshots(self._worker_group.spec.rdzv_handler)
 
@@ -134,6 +137,8 @@ class InmemAgent(LocalElasticAgent):
         self.smp.ready()
         launched_at = time.time()
         self._say_resized(worker_group)
+        if self.opts.nodes[0] < self.opts.nodes[1]:  # before the ranks: their first snapshot is protected by them
+            self._members = membership.regroup(worker_group, self.opts.node, self.opts.socket, self.say)
         with self._onto_standbys():
             pids = super()._start_workers(worker_group, *args, **kwargs)
         self._say_started(worker_group)
@@ -154,6 +159,9 @@ class InmemAgent(LocalElasticAgent):
             self.clock.failed("a peer node asked for a new rendezvous round", self._beats(worker_group),
                               failed_at=time.time(),
                               note="the failure was on another node: counted from this node's notice of it")
+        if self._spare_needed:
+            self._spare_needed = False
+            sparewait.wait(self._waiting, self.say)
         super()._restart_workers(worker_group, *args, **kwargs)
 
     def _monitor_workers(self, worker_group, *args, **kwargs) -> RunResult:
@@ -163,7 +171,9 @@ class InmemAgent(LocalElasticAgent):
         if not self.smp.alive():
             lost = self.smp.pid
             self.say("smp_lost", pid=lost, text="starting a new one, then restarting the ranks")
-            self.smp.begin()  # it comes up while the ranks stop and the agents rendezvous (ready() before they start)
+            # It comes up while the ranks stop and the agents rendezvous; _start_workers waits for it (ready) and,
+            # with a node range, tells it the round's nodes (membership.regroup) before the ranks start.
+            self.smp.begin()
             if result.state == WorkerState.HEALTHY:
                 return self._recover_smp(worker_group, beats, lost)
         if result.state == WorkerState.HEALTHY:
@@ -180,6 +190,9 @@ class InmemAgent(LocalElasticAgent):
                 self._remaining_restarts = 0
                 self.say("job_stopped", ranks=",".join(map(str, stopped)), text=f"rank {stopped[0]} exited with "
                          f"{STOP_EXIT}, which asks not to be restarted (its log says why); the job stops")
+            # The job cannot go on at this node count (on_shrink "refuse"): restarted once a node joins.
+            self._spare_needed = self.opts.nodes[0] < self.opts.nodes[1] and any(
+                f.exitcode == SPARE_EXIT for f in result.failures.values())
             seen = "a crash comes after the last poll that found every rank alive: counted from there"
             self.clock.failed(_describe(result), beats, self._alive_at, seen if self._alive_at else "")
         return result
@@ -222,11 +235,6 @@ class InmemAgent(LocalElasticAgent):
             how = "shrink" if nodes < before else "grow"
             self.say(how, nodes=f"{before}->{nodes}", world_size=worker_group.spec.local_world_size * nodes,
                      text=f"the ranks restart at {nodes} nodes and reshard the newest complete step from memory")
-            if nodes < before and "--parity" in self.opts.smp_args:
-                self.say("degraded", nodes=nodes,
-                         text=f"the SMPs' erasure-coding groups were formed over {before} nodes; the steps taken from "
-                              f"now on are not protected against another node loss (it falls to the disk tier) until "
-                              f"the job runs on {before} nodes again")
 
     def _joins_at_snapshots(self, handler) -> None:
         """torch's agent restarts the ranks as soon as its rendezvous has a node waiting (a grow); here a waiting

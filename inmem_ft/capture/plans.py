@@ -27,8 +27,11 @@ from ..snapshot import layout, segment as seg
 from ..snapshot.checksum import checksum, to_hex
 from ..snapshot.topology import Topology
 from ..snapshot.tree import FlatState
+from . import sentinel
 
 MANIFEST_SLACK = 4 << 10
+# The losses a snapshot records (capture/sentinel.py) change every snapshot: room for the longest float reprs.
+_LOSSES_ROOM = len(',"losses":[]') + sentinel.HISTORY * len("-1.2345678901234567e-308,")
 _DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
 
 
@@ -78,7 +81,8 @@ class PlanCache:
         self._dtypes, self._shapes = list(map(_DTYPE, flat.values)), list(map(_SHAPE, flat.values))
         self._kinds = list(map(device.kind, flat.values))
         self._encode_entries(plan.manifest["leaves"], flat.shards)
-        self.manifest_len = reserve(len(self._head(plan.manifest, flat, step, topology)) + len(self._entries) + 12)
+        self.manifest_len = reserve(len(self._head(plan.manifest, flat, step, topology)) + len(self._entries) + 12 +
+                                    _LOSSES_ROOM)
         return plan
 
     def _encode_entries(self, entries: list[dict], shards: dict) -> None:
@@ -97,13 +101,15 @@ class PlanCache:
         self._specs = dict(shards)
 
     def _head(self, template: dict, flat: FlatState, step: int, topology: Topology | None,
-              replicated: dict | None = None) -> bytes:
+              replicated: dict | None = None, losses: list[float] | None = None) -> bytes:
         """The manifest without its leaf entries. The tree's bulk dicts (10^5 keys of a state dict) are encoded
         once for as long as their keys stay the same: encoded with a marker in their place, then swapped in."""
         head = {k: v for k, v in template.items() if k != "leaves"}
         head.update(step=step, topology=(topology or self._default_topology).to_json(), tree=flat.skeleton)
         if replicated is not None:
             head["replicated"] = replicated
+        if losses:
+            head["losses"] = losses
         swaps = [(container, key, container[key], f"\0{self._nonce}:{i}\0")
                  for i, (container, key) in enumerate(flat.lazy)]
         for container, key, _, marker in swaps:
@@ -123,9 +129,10 @@ class PlanCache:
             cached = self._keyed[keyed.start] = (keyed.keys, _json(keyed.spelled()))
         return cached[1]
 
-    def manifest(self, flat: FlatState, step: int, topology: Topology | None, data, *, confirm: bool) -> bytes:
+    def manifest(self, flat: FlatState, step: int, topology: Topology | None, data, *, confirm: bool,
+                 losses: list[float]) -> bytes:
         """Commit thread: this snapshot's manifest (JSON), the checksums of `data` (the slot's data bytes, as
-        the plan laid them out) filled in. With `confirm` (a reused plan), every leaf is first checked to have
+        the plan laid them out) filled in, and the `losses` it records (capture/sentinel.py). With `confirm` (a reused plan), every leaf is first checked to have
         the plan's dtype and shape: StalePlan (and the plan is forgotten) if one has not."""
         if self._plan is None:
             raise StalePlan(f"step {step}: the reused layout was dropped meanwhile; not committed")
@@ -144,7 +151,7 @@ class PlanCache:
         if replicated:
             replicated = {**replicated, "h": to_hex(checksum(data[replicated["o"]: replicated["o"] + replicated["hi"]
                                                                  - replicated["lo"]]))}
-        head = self._head(template, flat, step, topology, replicated)
+        head = self._head(template, flat, step, topology, replicated, losses)
         return head[:-1] + b',"leaves":' + out + b"}"
 
     def _confirm(self, flat: FlatState, step: int) -> None:

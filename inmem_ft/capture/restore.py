@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ from ..smp.client import SMPClient
 from ..smp.segments import path_of
 from ..snapshot import layout, segment as seg
 from ..snapshot.topology import Topology, layout_key
-from . import resume, verdict
+from . import resume, sentinel, verdict
 from .agreement import Agreement, all_gather_bytes
 
 log = logging.getLogger("inmem_ft.capture")
@@ -94,7 +94,6 @@ class _Candidate:
     attached: object
     manifest: dict
     source: str
-    losses: list = field(default_factory=list)
 
 
 class _Clock:
@@ -198,7 +197,7 @@ class Restorer:
                             self.ctx.rank, entry["step"],
                             "unknown_format" if isinstance(e, UnknownFormat) else "corrupt", e)
                 continue
-            out.append(_Candidate(entry["step"], attached, manifest, entry["source"], entry.get("losses", [])))
+            out.append(_Candidate(entry["step"], attached, manifest, entry["source"]))
         return out
 
     def _pull(self) -> bool:
@@ -364,7 +363,7 @@ class Restorer:
     def _finish(self, step: int, candidate: _Candidate, nbytes: int, clock: _Clock, later) -> resume.RestoreInfo:
         ctx = self.ctx
         info = resume.RestoreInfo(step, candidate.source, clock.total, nbytes,
-                                  path_of(candidate.attached.segment.name), dict(clock.phases), list(candidate.losses))
+                                  path_of(candidate.attached.segment.name), dict(clock.phases), sentinel.recorded_in(candidate.manifest))
         ctx.resumed(info)
         if later is not None:
             later.info = info

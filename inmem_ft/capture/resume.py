@@ -48,7 +48,7 @@ class RestoreInfo:
     @classmethod
     def resharded(cls, rs, seconds: float, phases: dict) -> RestoreInfo:
         """The record of a reshard from `rs` (a universal.reshard.Resharding): the step of the old layout."""
-        return cls(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None, dict(phases))
+        return cls(rs.step, MEMORY_RESHARDED, seconds, sum(rs.bytes_read.values()), None, dict(phases), rs.losses)
 
 
 @dataclass

@@ -9,9 +9,12 @@ Snapshotter's; this module only decides.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
+
+log = logging.getLogger("inmem_ft.capture")
 
 HISTORY = 16  # losses a snapshot keeps of the steps before it: what the bound is learned from
 MIN_HISTORY = 4  # fewer recorded losses than this: only NaN/Inf trip (a bound from 1-3 points is noise)
@@ -26,6 +29,20 @@ class Trip:
     restored: int
     """The snapshot step the run was restored from: the one that is bad."""
     why: str
+
+
+def recorded_in(manifest: dict) -> list[float]:
+    """The losses a snapshot's `manifest` recorded (its "losses": every tier and the resharding loader carry
+    them with the snapshot). One that is not a short list of finite numbers is ignored: without it only NaN/Inf
+    trip, and nothing restored depends on it."""
+    value = manifest.get("losses", [])
+    if isinstance(value, list) and len(value) <= HISTORY and \
+            all(type(x) in (int, float) and math.isfinite(x) for x in value):
+        return [float(x) for x in value]
+    log.warning("restore step=%s event=losses_ignored: the snapshot's recorded losses are not a list of at most %d "
+                "finite numbers; the steps after the restore are screened for NaN/Inf only", manifest.get("step"),
+                HISTORY)
+    return []
 
 
 def bound(history) -> float | None:

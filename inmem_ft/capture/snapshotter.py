@@ -368,13 +368,13 @@ class Snapshotter:
                 if w.work.on_device:  # a slot written before it was registered (save() without overlap)
                     w.target.register()
                 raw = self._plans.manifest(w.flat, step, w.topology, w.target.segment.buf[w.data_off:],
-                                           confirm=w.reused)
+                                           confirm=w.reused, losses=losses)
                 if len(raw) > w.manifest_len:
                     self._plans.drop()
                     raise StalePlan(f"step {step}: its manifest ({len(raw)} bytes) outgrew the room reserved for it "
                                     f"({w.manifest_len} bytes); the next snapshot is laid out afresh")
                 w.target.segment.buf[seg.HEADER_SIZE: seg.HEADER_SIZE + w.manifest_len] = raw.ljust(w.manifest_len)
-                self._smp.call("commit", rank=self.rank, step=step, losses=losses)
+                self._smp.call("commit", rank=self.rank, step=step)
             except Exception as e:  # whatever it is, the vote below must run on every rank
                 error = e
         if isinstance(error, StalePlan):
@@ -414,7 +414,7 @@ class Snapshotter:
             raise error
         self.metrics.last_committed = {"step": step, "stall_s": self.metrics.last_stall_s,
                                        "commit_s": self.metrics.last_commit_s, "bytes": w.plan.data_len}
-        self.metrics.snapshots += 1  # after last_committed: capture.events reads both from the training thread
+        self.metrics.snapshots += 1  # after last_committed: capture.monitor_metrics reads both from the training thread
         log.info("snapshot rank=%d step=%d event=committed complete=%s stall_s=%.4f commit_s=%.4f bytes=%d",
                  self.rank, step, agreed == step, self.metrics.last_stall_s, self.metrics.last_commit_s,
                  w.plan.data_len)
@@ -425,10 +425,11 @@ class Snapshotter:
         return self._shares[1]
 
     def _digest_held(self, values: list, plan) -> tuple[dict, float]:
-        """The digests of the other DP ranks' shares as this rank's state holds them now, and the seconds it took."""
+        """The digests of the other DP ranks' shares as this rank's state holds them now (of its own share, the
+        pieces in accelerator memory: capture/fingerprint.py), and the seconds it took."""
         t0 = time.perf_counter()
-        held = {j: fingerprint.of_state(values, pieces) for j, pieces in enumerate(self._pieces(plan))
-                if j != self.dp_rank}
+        held = {j: fingerprint.of_state(values, pieces, device_only=j == self.dp_rank)
+                for j, pieces in enumerate(self._pieces(plan))}
         return held, time.perf_counter() - t0
 
     def _compare_replicas(self, step: int, w: "_Written | None") -> str | None:
@@ -440,7 +441,8 @@ class Snapshotter:
         if w is not None and w.compare and w.held is not None:
             try:
                 share = w.target.segment.buf[w.data_off + w.plan.manifest["replicated"]["o"]:]
-                digests = {**w.held, self.dp_rank: fingerprint.of_slot(share, self._pieces(w.plan)[self.dp_rank])}
+                digests = {**w.held, self.dp_rank: fingerprint.of_slot(share, self._pieces(w.plan)[self.dp_rank],
+                                                                       w.flat.values, w.held[self.dp_rank])}
                 row = [1, self.rank, self.config.node] + [fingerprint.fingerprint(digests[j])
                                                           for j in range(self.dp_size)]
             except Exception as e:  # the collective below must run on every peer: this rank only abstains

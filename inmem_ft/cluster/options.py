@@ -29,7 +29,7 @@ class ECOptions:
     def groups(self) -> Groups:
         if self.group_size is None:
             return Groups.default(self.nodes, self.parity)
-        return Groups(self.nodes, self.group_size, self.parity)
+        return Groups.consecutive(self.nodes, self.group_size, self.parity)
 
     def argv(self) -> list[str]:
         out = ["--parity", str(self.parity), "--nodes", str(self.nodes), "--peers", self.peers]

@@ -46,11 +46,12 @@ class Peers:
         return [{"node": n, "addr": "%s:%d" % c.addr, "state": c.state} for n, c in sorted(self.clients.items())]
 
     def register(self, op: str, handler, members=None) -> None:
-        """Serve `op` with `handler(peer, header, payload) -> (reply, pieces)`; `members`: the only nodes
-        allowed to ask (an EC group), None for any node holding the job secret."""
+        """Serve `op` with `handler(peer, header, payload) -> (reply, pieces)`; `members() -> set`: the only
+        nodes allowed to ask (the EC groups this node shares, which change when the job shrinks or grows), None
+        for any node holding the job secret."""
         if op in self._ops:
             raise ValueError(f"peer operation {op!r} is registered twice")
-        self._ops[op] = (handler, None if members is None else set(members))
+        self._ops[op] = (handler, members)
 
     def start(self) -> None:
         if self.server is not None:
@@ -67,8 +68,10 @@ class Peers:
         handler, members = self._ops.get(op, (None, None))
         if handler is None:
             raise InmemFTError(f"unknown peer operation {op!r}")
-        if members is not None and peer not in members and peer != self.node:
-            raise InmemFTError(f"node {peer} may not ask {op!r}: it is not in EC group {sorted(members)}")
+        allowed = members() if members is not None else None
+        if allowed is not None and peer not in allowed and peer != self.node:
+            raise InmemFTError(f"node {peer} may not ask {op!r}: it shares no EC group with this node "
+                               f"(nodes {sorted(allowed)} do)")
         try:
             return handler(peer, header, payload)
         except (KeyError, TypeError, ValueError) as e:

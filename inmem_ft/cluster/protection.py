@@ -14,16 +14,23 @@ Runs inside the SMP, beside its control socket, in background threads:
   slots once they verify (cluster/rebuild.py).
 - decode_range, for reads of a lost member's slots (cluster/slotreads.py): any byte range of its node
   data, from the same range of k surviving chunks of each stripe it touches.
+- regroup, when the job goes on with another set of nodes (a shrink onto the survivors of a node loss, a
+  grow): the agent tells its SMP the nodes of the new rendezvous, and steps from then on are protected by the
+  groups formed over them (cluster/groups.py). Parity of older steps keeps the group it was encoded by, in its
+  record: a restore reads a lost node's shards of the step the job shrank from through that group, until the
+  first step protected by the new groups replaces it.
 
 Pull, not push: a parity holder asks for exactly the bytes it encodes next, so memory stays at k pieces
 per transfer and a slow or dead peer only stalls the nodes that need it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,27 +63,36 @@ class PeerGaveUp(InmemFTError):
     """A member of the group reports that it gave up protecting the step: retrying here cannot complete it."""
 
 
+class Group(NamedTuple):
+    """This node's EC group as one step's parity was (or is to be) encoded by it."""
+
+    members: list[int]
+    pos: int  # this node's position in it
+    layout: StripeLayout
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(size: int, m: int) -> StripeLayout:
+    return StripeLayout(size, m)
+
+
 class Protector:
     def __init__(self, smp, groups: Groups, peers: Peers, peer_wait_s: float = 0.0, piece: int = rebuild.PIECE,
                  max_read: int = MAX_PAYLOAD):
-        self.smp, self.node, self.groups = smp, smp.node, groups
+        self.smp, self.node = smp, smp.node
         # How long an empty SMP waits for unreachable peers before it concludes there is nothing to rebuild:
         # a re-queued job's SMPs start together, and a replacement asking before the survivors listen
         # would start empty.
         self.peer_wait_s = peer_wait_s
         self.piece = piece  # bytes per pull of a rebuild (cluster/rebuild.py)
         self.max_read = max_read  # the largest range one node_read or chunk read of a peer may ask
-        self.members, self.pos = groups.members(self.node), groups.position(self.node)
-        missing = [n for n in self.members if n not in peers.addresses]
-        if missing:
-            raise ValueError(f"no address for EC group members {missing} of node {self.node}: list every node of "
-                             f"its group in --peers (NODE=HOST:PORT,...)")
-        self.layout = StripeLayout(groups.size, groups.m)
-        self.peers = peers
-        self.clients = {n: peers.clients[n] for n in self.members if n != self.node}
+        self.peers, self.m, self.size = peers, groups.m, groups.largest  # m and G as configured
+        self._form(groups)
+        self.formed: list[Groups | None] = [groups]  # every set of groups since the start, the current last
+        self.regrouped: list[int] | None = None  # the nodes the groups were last formed over again
         for op, handler in (("describe", self._describe), ("node_read", self._node_read), ("state", self._state),
                             ("chunk", self._chunk)):
-            peers.register(op, handler, self.members)
+            peers.register(op, handler, self.partners)
         self.sets: dict[int, ParitySet] = {}
         self.protected: int | None = None
         # The step whose protection failed here, given up or waiting for a retry: a begin may overwrite the older
@@ -95,6 +111,70 @@ class Protector:
         self.rebuild_error: str | None = None
         self.rebuilds = 0  # rebuilds of this node's slots from the group that finished, since this SMP started
         self._wake = threading.Condition()
+
+    # ---- the groups ------------------------------------------------------------------------------------
+    def _form(self, groups: Groups | None) -> None:
+        """Protect new steps by `groups` (None: by none, too few nodes are left for m)."""
+        members = groups.members(self.node) if groups is not None else [self.node]
+        missing = [n for n in members if n not in self.peers.addresses]
+        if missing:
+            raise ValueError(f"no address for EC group members {missing} of node {self.node}: list every node of "
+                             f"its group in --peers (NODE=HOST:PORT,...)")
+        self.groups, self.members, self.pos = groups, members, members.index(self.node)
+        self.layout = _layout(len(members), self.m) if groups is not None else None
+        self.clients = {n: self.peers.clients[n] for n in members if n != self.node}
+
+    def regroup(self, nodes: list[int]) -> dict:
+        """The job runs on the SMPs of `nodes` now (the agents' new rendezvous): new steps are protected by groups
+        formed over them, G and m as configured, G reduced where fewer nodes are left (none where m >= their
+        number). Returns {group, changed, text}; each change is one ec line."""
+        groups = Groups.over(nodes, self.size, self.m)
+        with self.smp.lock:
+            if groups == self.groups:
+                return {"group": self.members, "changed": False, "text": ""}
+            self._form(groups)
+            self.formed.append(groups)
+            self.regrouped = sorted(nodes)
+            # What failed by the old groups says nothing of the new: the next snapshot is protected afresh.
+            self.failed = self.gave_up = None
+            self._epoch += 1
+        if groups is None:
+            text = (f"{len(nodes)} node(s) left, too few for m={self.m} (a group needs more than m nodes): the steps "
+                    f"from now on are not protected; a node loss falls to the disk tier")
+        else:
+            text = (f"the steps from the next snapshot on are protected by EC group {self.members} of "
+                    f"{[list(s) for s in groups.sets]}")
+            if groups.largest < self.size:
+                text += f" (G={groups.largest}, fewer than the configured {self.size}: {len(nodes)} nodes are left)"
+        reduced = groups is None or groups.largest < self.size
+        events.emit(events.Source("smp", self.node), "ec", "regrouped", say=log.warning if reduced else log.info,
+                    nodes=sorted(nodes), group=self.members, m=self.m, text=text)
+        return {"group": self.members if groups is not None else [], "changed": True, "text": text}
+
+    def partners(self) -> set[int]:
+        """The nodes that share, or shared, an EC group with this one: they may ask for its parity and node data."""
+        with self.smp.lock:
+            out = {n for g in self.formed if g is not None and self.node in g.nodes for n in g.members(self.node)}
+            return out | {n for ps in self.sets.values() for n in ps.record.get("members", ())}
+
+    def groups_with(self, node: int) -> list[list[int]]:
+        """The EC groups `node` was a member of, the newest first: whose members may hold parity of its steps."""
+        out = []
+        for g in reversed(self.formed):
+            if g is not None and node in g.nodes and g.members(node) not in out:
+                out.append(g.members(node))
+        return out
+
+    def group_of(self, step: int) -> Group:
+        """The group `step`'s parity here was encoded by (its record names the members)."""
+        record = self._parity(step).record
+        members = list(record["members"])
+        return Group(members, members.index(self.node), _layout(len(members), record["m"]))
+
+    def holds_parity_of(self, node: int, step: int) -> bool:
+        with self.smp.lock:
+            ps = self.sets.get(step)
+            return ps is not None and ps.state in (BUILT, PROTECTED) and node in ps.record.get("members", ())
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -126,6 +206,9 @@ class Protector:
 
     def notify_complete(self, step: int) -> None:
         """The job declared `step` complete (called under the SMP lock)."""
+        if self.groups is None:  # nothing to protect it with: it is as final as it gets
+            self.smp.release_moved(step)
+            return
         self.completed_at.setdefault(step, time.time())
         with self._wake:
             self.wanted, self.why = step, "complete"
@@ -165,18 +248,32 @@ class Protector:
                 self._want_held(step, f"step {step} is complete but not protected when this SMP started")
 
     def status(self) -> dict:
-        return {"group": self.members, "m": self.groups.m, "protected_step": self.protected,
+        return {"group": self.members if self.groups is not None else [], "m": self.m,
+                "protected_step": self.protected,
                 "degraded": self.degraded(),
                 "parity_steps": {s: ps.state for s, ps in sorted(self.sets.items())}, "ec_lag_s": self.lag_s,
                 "parity_bytes": self.parity_bytes(), "rebuilds": self.rebuilds,
                 "rebuild": "running" if not self.rebuild_done.is_set() else (self.rebuild_error or "ok")}
 
     def degraded(self) -> str | None:
-        """Why the newest step this node tried to protect is not, while no newer one is (a member of the group
-        lost for good, say, after the job shrank onto the survivors); None when it is protected."""
-        if self.failed is None or (self.protected is not None and self.protected > self.failed):
+        """Why the job's newest steps here are not protected against a node loss: no group is left (too few
+        nodes for m), the newest step this node tried to protect is not while no newer one is, or the groups
+        were formed again (the job shrank or grew) and no step is protected by them yet. None when protected."""
+        if self.groups is None:
+            return (f"unprotected: the job runs on {len(self.regrouped or [])} node(s), too few for m={self.m}; a "
+                    f"node loss falls to the disk tier")
+        if self.failed is not None and (self.protected is None or self.protected <= self.failed):
+            return f"step {self.failed} is not protected: {self.failed_why}"
+        if self.regrouped is None:
             return None
-        return f"step {self.failed} is not protected: {self.failed_why}"
+        with self.smp.lock:
+            ps = self.sets.get(self.protected) if self.protected is not None else None
+            by = list(ps.record["members"]) if ps is not None else None
+        if by == self.members:
+            return None
+        return (f"the EC groups were formed again over nodes {self.regrouped} and protect no step yet"
+                + (f" (step {self.protected} is protected by the old group {by})" if by else "")
+                + ": a node loss before the next snapshot is protected falls to the disk tier")
 
     def parity_bytes(self) -> int:
         return sum(ps.segment.size for ps in self.sets.values())
@@ -188,7 +285,7 @@ class Protector:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._stopping or (
-                    self.wanted is not None and self.wanted != self.gave_up
+                    self.groups is not None and self.wanted is not None and self.wanted != self.gave_up
                     and (self.protected is None or self.wanted > self.protected)))
                 if self._stopping:
                     return
@@ -248,11 +345,15 @@ class Protector:
 
     def protect(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
         t0 = time.perf_counter()
+        with self.smp.lock:  # the groups as they are now: a regroup meanwhile changes only later protections
+            if self.groups is None:
+                raise InmemFTError(f"no EC group: too few nodes are left for m={self.m}")
+            now, clients = Group(self.members, self.pos, self.layout), dict(self.clients)
         lens = [self._node_data(step).length if n == self.node else
-                self.clients[n].call({"op": "describe", "step": step})[0]["length"] for n in self.members]
-        padded = self.layout.padded_size(max(lens))
-        cs = self.layout.chunk_size(padded)
-        group = {"members": self.members, "lens": lens, "padded": padded,
+                clients[n].call({"op": "describe", "step": step})[0]["length"] for n in now.members]
+        padded = now.layout.padded_size(max(lens))
+        cs = now.layout.chunk_size(padded)
+        group = {"members": now.members, "lens": lens, "padded": padded,
                  "ranks": sorted(self.smp.committed_views(step))}
         with self.smp.lock:
             ps = self.sets.get(step)
@@ -266,8 +367,8 @@ class Protector:
                 if ps is not None:
                     self.sets.pop(step).drop()
         if not reused:
-            ps = self._encode(step, cs, group)
-        self._wait_group_built(step, peer_failed_grace_s)
+            ps = self._encode(step, cs, group, now, clients)
+        self._wait_group_built(step, clients, peer_failed_grace_s)
         with self.smp.lock:
             if self.sets.get(step) is not ps:
                 raise InmemFTError(f"step {step} was abandoned while it was being protected (the job resumed "
@@ -279,45 +380,46 @@ class Protector:
                 self.sets.pop(old).drop()
             self.smp.release_moved(step)
         events.emit(events.Source("smp", self.node), "ec", "protected", say=log.info, step=step,
-                    parity_bytes=self.groups.m * cs, encode_s=time.perf_counter() - t0, lag_s=self.lag_s)
+                    parity_bytes=self.m * cs, encode_s=time.perf_counter() - t0, lag_s=self.lag_s,
+                    group=now.members)
 
-    def _encode(self, step: int, cs: int, group: dict) -> ParitySet:
+    def _encode(self, step: int, cs: int, group: dict, now: Group, clients: dict) -> ParitySet:
         """This node's parity chunks of `step`, pulled and encoded into a new parity set, sealed built."""
         with self.smp.lock:
             if self._stopping:  # a wipe may have run: a parity set made now would outlive the SMP
                 raise InmemFTError(f"node {self.node}'s SMP is stopping")
-            need = paritystore.RECORD + self.groups.m * cs
+            need = paritystore.RECORD + self.m * cs
             if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
                     f"node {self.node} memory budget cannot hold {need / 2**20:.1f} MiB of parity for step {step} "
                     f"beside its slots ({self.smp.used_bytes() / 2**20:.1f} of {self.smp.budget / 2**20:.1f} MiB "
                     f"in use); raise --memory-budget by twice that (old and new parity overlap while encoding)")
-            ps = self.sets[step] = ParitySet.create(self.smp.prefix, step, self.groups.m, cs, group)
-        k = self.layout.k
+            ps = self.sets[step] = ParitySet.create(self.smp.prefix, step, self.m, cs, group)
+        k = now.layout.k
         bufs = [np.empty(min(PIECE, cs), dtype=np.uint8) for _ in range(k)]
         with ThreadPoolExecutor(k, thread_name_prefix="inmem_ft-ec-pull") as pool:
-            for i, (stripe, p) in enumerate(self.layout.parity_for_node(self.pos)):
-                sources = [(self.members[pos], c) for pos, c in self.layout.stripes[stripe].data]
+            for i, (stripe, p) in enumerate(now.layout.parity_for_node(now.pos)):
+                sources = [(now.members[pos], c) for pos, c in now.layout.stripes[stripe].data]
                 for a in range(0, cs, PIECE):
                     n = min(PIECE, cs - a)
-                    pulls = [pool.submit(self._read, node, step, c * cs + a, bufs[b][:n])
+                    pulls = [pool.submit(self._read, clients[node], step, c * cs + a, bufs[b][:n])
                              for b, (node, c) in enumerate(sources)]
                     data = [f.result() for f in pulls]
-                    stripe_parity(self.layout, stripe, data, [p], [ps.chunk(i)[a: a + n]])
+                    stripe_parity(now.layout, stripe, data, [p], [ps.chunk(i)[a: a + n]])
         ps.seal(BUILT)
         return ps
 
-    def _read(self, node: int, step: int, offset: int, into: np.ndarray) -> np.ndarray:
-        return self.clients[node].call({"op": "node_read", "step": step, "off": offset, "len": into.nbytes},
-                                       into=into)[1]
+    @staticmethod
+    def _read(client, step: int, offset: int, into: np.ndarray) -> np.ndarray:
+        return client.call({"op": "node_read", "step": step, "off": offset, "len": into.nbytes}, into=into)[1]
 
-    def _wait_group_built(self, step: int, peer_failed_grace_s: float = 0.0) -> None:
+    def _wait_group_built(self, step: int, clients: dict, peer_failed_grace_s: float = 0.0) -> None:
         start = time.monotonic()
         deadline = start + BUILT_WAIT_S
-        pending = set(self.clients)
+        pending = set(clients)
         while pending:
             for n in sorted(pending):
-                state = self.clients[n].call({"op": "state"})[0]
+                state = clients[n].call({"op": "state"})[0]
                 if str(step) in state["built"]:
                     pending.discard(n)
                 elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
@@ -357,8 +459,8 @@ class Protector:
     def _chunk(self, peer, header, payload):
         """This node's parity chunk of a stripe, or bytes [off, off+len) of it."""
         step, stripe = int(header["step"]), int(header["stripe"])
-        ps = self._parity(step)
-        i = [s for s, _ in self.layout.parity_for_node(self.pos)].index(stripe)
+        ps, group = self._parity(step), self.group_of(step)
+        i = [s for s, _ in group.layout.parity_for_node(group.pos)].index(stripe)
         chunk = ps.verified_chunk(i, f"node {self.node}")
         off = int(header.get("off", 0))
         length = int(header.get("len", len(chunk) - off))
@@ -382,18 +484,18 @@ class Protector:
 
     def lost_length(self, lost: int, step: int) -> int:
         """Length of the node data of group member `lost` at `step`, from this node's parity record."""
-        return self._parity(step).record["lens"][self.members.index(lost)]
+        return self._parity(step).record["lens"][self.group_of(step).members.index(lost)]
 
     def decode_range(self, lost: int, step: int, start: int, length: int) -> np.ndarray:
         """Bytes [start, start+length) of member `lost`'s node data at `step`, decoded from the same byte
         range of k surviving chunks of each stripe it touches (RS works bytewise)."""
-        cs = self._parity(step).record["chunk_size"]
-        if start < 0 or length < 0 or start + length > cs * self.layout.k:
+        cs, group = self._parity(step).record["chunk_size"], self.group_of(step)
+        if start < 0 or length < 0 or start + length > cs * group.layout.k:
             raise InmemFTError(f"bytes [{start}, {start + length}) leave node {lost}'s data at step {step}")
         out = np.zeros(length, dtype=np.uint8)
         # A reader asks the group for a member's bytes only once it could not reach that member.
-        StripeReader(self, step, cs, {lost}, lost_as="unreachable").node_bytes(self.members.index(lost), start, out,
-                                                                              self.piece)
+        StripeReader(self, step, cs, {lost}, lost_as="unreachable", group=group).node_bytes(
+            group.members.index(lost), start, out, self.piece)
         return out
 
     # ---- rebuilding ----------------------------------------------------------------------------------
@@ -434,7 +536,7 @@ class Protector:
     def _rebuild(self, was: dict | None) -> None:
         """`was`: the record of a rebuild this node's previous SMP did not finish, or None."""
         states, unreachable = self._peer_states(self.peer_wait_s)
-        holders = {n: st for n, st in states.items() if not st["rebuilding"] and st["built"]}
+        holders = self._holders(states)
         if not holders:
             if was is not None:
                 rebuild.forget(self.smp)
@@ -448,29 +550,40 @@ class Protector:
             log.info("ec node=%d event=rebuild_skip reason=the job committed snapshots here while its group was "
                      "asked: this node is not a replacement", self.node)
             return
-        if unreachable and len(self.members) - 1 - len(holders) > self.groups.m - 1:
+        if unreachable and len(self.members) - 1 - len(holders) > self.m - 1:
             # A peer that answered late is slow, not lost: ask it again (past the transport's quiet period)
             # before the rebuild counts it out.
             log.warning("ec node=%d event=rebuild_wait nodes=%s reason=%s", self.node, sorted(unreachable),
                         "; ".join(f"node {n}: {e}" for n, e in sorted(unreachable.items())))
             more, unreachable = self._peer_states(max(self.peer_wait_s, REACH_RETRY_S), only=set(unreachable))
-            holders |= {n: st for n, st in more.items() if not st["rebuilding"] and st["built"]}
+            holders |= self._holders(more)
             if was is None and self._holds_data():
                 log.info("ec node=%d event=rebuild_skip reason=the job committed snapshots here while its group "
                          "was asked: this node is not a replacement", self.node)
                 return
         lost = [n for n in self.members if n not in holders]
         usable = set.intersection(*({int(s) for s in st["built"]} & set(st["data"]) for st in holders.values()))
-        if len(lost) > self.groups.m or not usable:
+        if len(lost) > self.m or not usable:
             why = "; ".join(f"node {n}: {_rebuild_why(n, self.node, states, unreachable)}" for n in lost)
             raise SnapshotLost(
                 f"nodes {lost} of EC group {self.members} are lost, unreachable or hold no common protected step, "
-                f"but its parity m={self.groups.m} tolerates at most {self.groups.m}: the "
+                f"but its parity m={self.m} tolerates at most {self.m}: the "
                 f"in-memory snapshot of node {self.node} cannot be rebuilt; restore the job from the next tier "
                 f"(disk) ({why})")
         step = max(usable)
         rebuild.Rebuild(self, step, next(iter(holders.values()))["built"][str(step)], lost, self.piece, was).run()
         self.rebuilds += 1
+
+    def _holders(self, states: dict) -> dict:
+        """The peers that can serve this node's rebuild, each state's `built` cut to the parity encoded by this
+        node's group: parity of groups formed over the survivors of a shrink without this node rebuilds
+        nothing of it (it comes back empty, as a new node)."""
+        out = {}
+        for n, st in states.items():
+            built = {s: r for s, r in st["built"].items() if r.get("members") == self.members}
+            if not st["rebuilding"] and built:
+                out[n] = {**st, "built": built}
+        return out
 
     def _holds_data(self) -> bool:
         with self.smp.lock:

@@ -53,9 +53,10 @@ class StripeReader:
     that fails is skipped (for good: `bad`) and the next block of the stripe is asked instead."""
 
     def __init__(self, protector, step: int, chunk_size: int, lost, pool: ThreadPoolExecutor | None = None,
-                 lost_as: str = "lost"):
-        self.node, self.members, self.peers = protector.node, protector.members, protector.peers
-        self.layout, self.step, self.cs = protector.layout, step, chunk_size
+                 lost_as: str = "lost", group=None):
+        """`group`: the protection.Group `step`'s parity was encoded by (default: the protector's own now)."""
+        self.node, self.peers, self.step, self.cs = protector.node, protector.peers, step, chunk_size
+        self.members, self.layout = (group.members, group.layout) if group else (protector.members, protector.layout)
         self.lost = set(lost)  # nodes never asked
         self.lost_as = lost_as  # what those nodes are, for errors: lost (a rebuild) or unreachable (a read)
         self.bad: dict[int, InmemFTError] = {}  # node -> why it was skipped

@@ -79,8 +79,8 @@ class SlotReads:
         peers.register("slots", self._peer_slots)
         peers.register("slot_read", self._peer_read)
         if protector is not None:
-            peers.register("lost_slots", self._peer_lost_slots, protector.members)
-            peers.register("lost_read", self._peer_lost_read, protector.members)
+            peers.register("lost_slots", self._peer_lost_slots, protector.partners)
+            peers.register("lost_read", self._peer_lost_read, protector.partners)
 
     def handle(self, op: str, msg: dict) -> tuple[dict, list]:
         return getattr(self, f"op_{op}")(msg)
@@ -174,9 +174,10 @@ class SlotReads:
         if self.protector is None:
             raise PeerUnavailable(f"node {lost} is unreachable ({why}) and this SMP runs without parity, so its "
                                   f"snapshots cannot be decoded; start the SMPs with --parity to survive node loss")
-        members, m = self.protector.groups.members(lost), self.protector.groups.m
+        # The groups `lost` was in, the newest first: a step the job shrank from is protected by the old ones.
+        groups, m = self.protector.groups_with(lost) or [[lost]], self.protector.m
         errors: dict[int, Exception] = {lost: why}
-        for member in members:
+        for member in dict.fromkeys(n for members in groups for n in members):
             if member == lost:
                 continue
             try:
@@ -184,6 +185,7 @@ class SlotReads:
             except InmemFTError as e:  # PeerUnavailable included
                 errors[member] = e
         unreachable = [n for n, e in errors.items() if isinstance(e, PeerUnavailable)]
+        members = next((g for g in groups if set(unreachable) <= set(g)), groups[-1])
         if len(unreachable) > m:
             # This alone explains the loss: what the members that did answer said follows from it.
             what = (f"nodes {sorted(unreachable)} of EC group {members} are unreachable, more than its parity "
@@ -223,6 +225,8 @@ class SlotReads:
         rank, step = _opt_int(header.get("rank")), _opt_int(header.get("step"))
         entries, manifests = [], []
         for s in self.protector.parity_steps() if step is None else [step]:
+            if step is None and not self.protector.holds_parity_of(lost, s):
+                continue  # parity of another group's step (formed over other nodes)
             for r, view in sorted(self._lost_views(lost, s).items()):
                 if rank is None or r == rank:
                     manifests.append(view.raw_manifest)
@@ -266,9 +270,10 @@ class SlotReads:
 
     def _lost_views(self, lost: int, step: int) -> dict[int, SlotView]:
         """rank -> view of each slot in lost member `lost`'s node data at `step`, decoded from parity."""
-        if lost == self.node or lost not in self.protector.members:
-            raise InmemFTError(f"node {self.node} cannot decode node {lost}: not another member of its EC group "
-                               f"{self.protector.members}")
+        members = self.protector.group_of(step).members  # SnapshotLost where this node holds no parity of it
+        if lost == self.node or lost not in members:
+            raise InmemFTError(f"node {self.node} cannot decode node {lost}: not another member of EC group "
+                               f"{members}, which protects step {step}")
 
         def decode(off, n):
             return self.protector.decode_range(lost, step, off, n)

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..capture.restore import NO_STEP
+from ..capture import sentinel
 from ..capture.resume import DCP_PREFIX, RestoreInfo, say
 from ..config import SnapshotConfig
 from ..errors import InmemFTError, StepIncomplete
@@ -134,7 +135,8 @@ class InmemStorageReader(StorageReader):
         snap, src = self.snapshotter, self._source
         read = dict(src.fragments.bytes_read)
         where = "parity" if read.get("parity") else "memory"
-        self.info = RestoreInfo(src.step, DCP_PREFIX + where, time.perf_counter() - self._t0, nbytes)
+        self.info = RestoreInfo(src.step, DCP_PREFIX + where, time.perf_counter() - self._t0, nbytes,
+                                losses=sentinel.recorded_in(src.manifests.get(snap.rank, {})))
         snap.resumed(self.info)
         say(snap.config.node, snap.rank, src.step, self.info.source, self.info.seconds, nbytes=nbytes,
             bytes_by_where=read)

@@ -36,11 +36,11 @@ def add_failure_args(p: argparse.ArgumentParser) -> None:
                    help="failure injection: SIGKILL self after this step (in the attempt --die-attempt names)")
     p.add_argument("--die-rank", type=int, default=0)
     p.add_argument("--die-attempt", type=int, default=0,
-                   help="with --die-at: the attempt it applies to, as torch elastic counts restarts (default: 0, the "
-                        "first; 1: the first restart, e.g. on the layout after a shrink)")
+                   help="with --die-at or --lose-node-at: the attempt it applies to, as torch elastic counts restarts "
+                        "(default: 0, the first; 1: the first restart, e.g. on the layout after a shrink)")
     p.add_argument("--lose-node-at", type=int, default=None,
                    help="failure injection: after this step, once the newest snapshot is protected, SIGKILL this "
-                        "rank's node (its SMP, its agent, itself: --die-rank's; first attempt only)")
+                        "rank's node (its SMP, its agent, itself: --die-rank's; in the attempt --die-attempt names)")
 
 
 def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
@@ -49,10 +49,8 @@ def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
         # the restore); the Hugging Face examples dump nothing
         args.dump_full = args.dump_full.replace("{restart}", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart != args.die_attempt:
-        args.die_at = None  # torchrun restarted us after the injected failure: not again
-    if restart:
-        args.lose_node_at = None
+    if restart != args.die_attempt:  # torchrun restarted us after the injected failure: not again
+        args.die_at = args.lose_node_at = None
     return args
 
 

@@ -77,9 +77,10 @@ def status(job: str = "default", node: int = 0, socket_path: str | None = None) 
     counters since the SMP started: {commits, skipped, torn, corrupt, sentinel_trips, replica_mismatches};
     bad_steps: the steps a sentinel after a restore found bad (capture/sentinel.py) or whose replicas disagreed
     (capture/fingerprint.py), never listed for a restore again; ec (None without erasure coding):
-    {group, m, protected_step, parity_steps, ec_lag_s (from complete to protected, of the newest protected
-    step), parity_bytes, rebuilds, rebuild ("running", "ok" or why it failed)}; disk (None without a disk
-    tier): {dir, every, flushed_step, flush_lag_s (from complete to on disk, of the last flush),
+    {group (this node's, [] while too few nodes are left for m), m, protected_step, degraded (why the newest
+    steps are not protected against a node loss, or None), parity_steps, ec_lag_s (from complete to protected,
+    of the newest protected step), parity_bytes, rebuilds, rebuild ("running", "ok" or why it failed)}; disk
+    (None without a disk tier): {dir, every, flushed_step, flush_lag_s (from complete to on disk, of the last flush),
     flush_failures}; peers: [{node, addr, state ("up", "down" or "unknown": how the last call to it went)}];
     stale: the segments in shared memory that no running SMP serves, of any job (inventory.NodeSegments)."""
     from . import inventory  # it imports the daemon: only for this call, not for every user of control

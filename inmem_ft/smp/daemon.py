@@ -96,7 +96,7 @@ class SMP:
         self.metrics = None  # metrics.Exporter: the Prometheus endpoint and/or textfile, when asked for
         # What happened since this SMP started, each also a log line: `smp status` and the metrics show them.
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.trust = TrustRecord(job, node)  # recorded losses and bad steps (smp/trust.py)
+        self.trust = TrustRecord(job, node)  # bad steps (smp/trust.py)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -306,7 +306,7 @@ class SMP:
         thread wait for erasure coding. Once protecting the complete step failed (also while a retry of it
         waits), the older protected step is given up (keeping the complete step safe locally matters more
         than surviving a node loss)."""
-        if self.protector is None:
+        if self.protector is None or self.protector.groups is None:  # no group (too few nodes left): no parity
             return {keep}
         protected = self.protector.protected
         held = {s.committed_step() for s in slots if s is not None}
@@ -351,7 +351,6 @@ class SMP:
         slot.committed_at = time.time()
         self.counts["commits"] += 1
         del self.writers[rank]
-        self.trust.committed(rank, step, fields.losses(msg), {s.committed_step() for s in self.slots[rank] if s})
         log.info("smp node=%d event=commit rank=%d step=%d bytes=%d", self.node, rank, step, header.data_len)
         return {}
 
@@ -383,8 +382,7 @@ class SMP:
         for slot in self.slots.get(rank, []):
             step = slot.committed_step() if slot is not None else None
             if step is not None and step not in self.trust.bad:  # a step found bad is never restored again
-                out.append({"segment": slot.segment.name, "step": step, "source": slot.source,
-                            "losses": self.trust.losses.get((rank, step), [])})
+                out.append({"segment": slot.segment.name, "step": step, "source": slot.source})
         complete = self.complete_step
         if complete in self.trust.bad:  # the job's restore must not insist on the step it may never use
             complete = max((s["step"] for s in out if s["step"] < complete), default=None)
@@ -546,6 +544,21 @@ class SMP:
         if self.protector is not None:
             self.protector.restored(step)
         return {}
+
+    def op_members(self, msg, conn_id):
+        """The job runs on the SMPs of `nodes` now (the agent, at each rendezvous of a job with a node range):
+        erasure coding forms its groups over them (cluster/protection.py, Protector.regroup)."""
+        nodes = msg.get("nodes")
+        if not isinstance(nodes, list) or not nodes or not all(type(n) is int and 0 <= n <= fields.MAX_NODE
+                                                                for n in nodes) or self.node not in nodes:
+            raise RequestError("bad_request", f"'nodes' must list the job's node ids, this node ({self.node}) "
+                                              f"among them, got {nodes!r:.200}")
+        if self.protector is None:
+            return {"group": None, "changed": False, "text": ""}
+        try:
+            return self.protector.regroup(nodes)
+        except ValueError as e:  # a member without an address in --peers
+            raise RequestError("bad_request", str(e)) from None
 
     def op_status(self, msg, conn_id):
         return self.status()

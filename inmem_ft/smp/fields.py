@@ -33,17 +33,6 @@ def size(msg: dict, key: str) -> int:
     return integer(msg, key, MAX_BYTES)
 
 
-def losses(msg: dict, key: str = "losses", most: int = 64) -> list[float] | None:
-    """msg[key] as a list of at most `most` finite numbers (the losses a snapshot records); None when absent."""
-    value = msg.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) > most or \
-            not all(type(x) in (int, float) and x == x and abs(x) != float("inf") for x in value):
-        raise ValueError(f"field {key!r} must be a list of at most {most} finite numbers")
-    return [float(x) for x in value]
-
-
 def text(msg: dict, key: str, most: int = 1024) -> str:
     value = msg.get(key)
     if not isinstance(value, str) or len(value) > most:

@@ -71,7 +71,7 @@ def _gauges(status: dict):
         yield "ec_protected_step", "newest step the EC group protects", ec["protected_step"], {}
         yield "ec_lag_seconds", "seconds from complete to protected, of the newest protected step", ec["ec_lag_s"], {}
         yield "ec_parity_bytes", "shared memory this node's parity uses", ec["parity_bytes"], {}
-        yield "ec_degraded", "1 while the newest step this node tried to protect is not protected", \
+        yield "ec_degraded", "1 while this node's newest steps are not protected against a node loss", \
             int(ec["degraded"] is not None), {}
         yield "ec_rebuild_running", "1 while this node rebuilds its slots from its EC group", \
             int(ec["rebuild"] == "running"), {}

@@ -55,7 +55,7 @@ def rebuild_record_name(job: str, node: int) -> str:
 
 
 def trust_record_name(job: str, node: int) -> str:
-    """The file beside the slots that remembers the losses snapshots recorded and the steps found bad."""
+    """The file beside the slots that remembers the steps found bad."""
     return f"{segment_prefix(job, node)}trust"
 
 

@@ -1,7 +1,9 @@
 """Resharding on restore: a job back on another parallel layout builds each rank's state from the snapshots
 its old layout left in memory, read through the job-wide catalog: the local SMP's shared memory first, then
-other nodes, then parity for a lost node (a disk tier's steps are slots again once an SMP adopted them).
-Only the pieces a rank holds travel, one at a time.
+other nodes, then parity for a lost node (a disk tier's steps are slots again once an SMP adopted them). Where
+memory holds no complete step of the old layout any more (more nodes of a group lost than its parity rebuilds:
+a second loss before the first snapshot after a shrink is protected), the SMPs' disk tier files are read instead,
+with one line saying so. Only the pieces a rank holds travel, one at a time.
 
 Framework-free. This module finds the old layout's newest step that every old rank holds (the same one on
 every new rank), reads any piece of any global tensor, and decides what each new rank takes of the old
@@ -17,18 +19,31 @@ theirs). Job-wide state (the step, the data position, the scheduler, optimizer h
 """
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import InmemFTError, StepIncomplete
+from ..capture import sentinel
+from ..errors import STOP_EXIT, InmemFTError, SnapshotLost, StepIncomplete
 from ..smp.client import SMPClient
 from ..snapshot import catalog
 from ..snapshot.annotate import OPTIMIZER_STATE
 from ..snapshot.topology import Topology, layout_key
+from .diskslots import DiskSlots
 from .source import MemorySource
 
+log = logging.getLogger("inmem_ft.capture")
 NO_STEP = -1
+
+
+class NothingToResume(SnapshotLost):
+    """Memory holds no complete step any more (more nodes lost than parity rebuilds) and the disk tier has none
+    either: a restart cannot help, so the rank exits with STOP_EXIT."""
+
+    exit_code = STOP_EXIT
 
 
 @dataclass
@@ -63,6 +78,12 @@ class Resharding:
                 kind, name = key[len(OPTIMIZER_STATE):].split(".", 1)
                 out.setdefault(name, {})[kind] = key
         return out
+
+    @property
+    def losses(self) -> list[float]:
+        """The losses recorded by the snapshot of the old rank this rank takes its own state from: what the
+        check after the restore learns its bound from (capture/sentinel.py)."""
+        return sentinel.recorded_in(self.source.manifests[self.per_rank])
 
     @property
     def bytes_read(self) -> dict:
@@ -115,6 +136,17 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
         mine = _open(socket_path, listing, new, node)
     except Exception as e:  # every rank must take part in the agreement below, whatever went wrong
         error = e
+    reopen = functools.partial(_open, socket_path, listing, new, node)
+    if isinstance(error, StepIncomplete):  # more nodes lost than parity rebuilds: the disk tier's newest, if any
+        error, reopen = None, functools.partial(_open_disk, socket_path, new)
+        try:
+            mine = reopen()
+            log.warning("restore event=memory_lost: %s; step %d is loaded from the disk tier (%s)",
+                        _what_was_lost(listing), mine.step, mine.source.client.where)
+        except Exception as e:
+            error = e if not isinstance(e, InmemFTError) else NothingToResume(
+                f"{_what_was_lost(listing)}, and the disk tier has no step to resume from either ({e}); restart "
+                f"the job from a checkpoint of your own, or from scratch (INMEM_FT_START_FRESH=1)")
     step = mine.step if mine is not None else NO_STEP
     low, high = agree_min([step, -step])
     high = -high
@@ -123,7 +155,7 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
             mine.close()
             mine = None
             try:
-                mine = _open(socket_path, listing, new, node, step=low)
+                mine = reopen(step=low)
             except Exception as e:
                 error = e
         low = agree_min(low if mine is not None else NO_STEP)
@@ -134,6 +166,35 @@ def open_memory(socket_path: str, new: Topology, agree_min, node: int | None = N
                                     "says why); nothing was changed")
     mine.seconds["open"] = round(time.perf_counter() - t0, 4)
     return mine
+
+
+def _open_disk(socket_path: str, new: Topology, step: int | None = None) -> Resharding:
+    """The old layout's newest step every old rank flushed to the SMPs' disk tier (or `step`), opened for this
+    rank: what a restore falls back to when memory lost more nodes than parity rebuilds. Every node's folder
+    of the tier is read: a tier on a file system the nodes share."""
+    client = SMPClient(socket_path)
+    try:
+        disk = client.call("status").get("disk")
+    finally:
+        client.close()
+    if not disk:
+        raise InmemFTError("the SMPs run without a disk tier (no --persist-dir)")
+    slots = DiskSlots(os.path.dirname(disk["dir"]))
+    try:
+        key, step = _newest_old(slots.catalog(), new, step)
+    except BaseException:
+        slots.close()
+        raise
+    return _resharding(MemorySource(slots, step, accept=lambda e: layout_key(e["manifest"].get("topology", {})) == key),
+                       new)
+
+
+def _what_was_lost(listing: dict | None) -> str:
+    nodes = sorted(u["node"] for u in (listing or {}).get("unreachable", []))
+    if not nodes:
+        return "memory holds no step of the old layout for every rank"
+    return (f"the snapshots in memory of node(s) {nodes} are lost (unreachable, and more nodes are gone than the "
+            f"erasure coding rebuilds)")
 
 
 def open_newest(socket_path: str, new: Topology, node: int | None = None) -> Resharding:

@@ -15,7 +15,7 @@ import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, SINGLE_PARTITION_OF_FP32_GROUPS
 
 from ...capture import Snapshotter, capture_rng_state, restore_rng_state
-from ...capture.events import Unreported
+from ...capture.monitor_metrics import Unreported
 from ...capture.resume import ReshardSource, RestoreInfo, Restored, say_fresh
 from ...capture.views import PrivateAfterLoad, private
 from ...config import InmemFTBlock
@@ -90,12 +90,13 @@ class Handle:
         # no longer hold the snapshot, so a later load of its tag is DeepSpeed's own, from disk.
         self._memory = None
 
-    def _after_update(self, before: int) -> None:
+    def _after_update(self, before: int, loss) -> None:
+        """After engine.step() or train_batch(): `loss`, the step's loss (None: no backward seen), is screened."""
         now = self.engine.global_steps
         self.snap.heartbeat(step=now)
         if now != before:  # an optimizer step (gradient-accumulation boundary)
-            if self._loss is not None:
-                self.snap.observe(now, self._loss, self.engine.get_global_grad_norm())
+            if loss is not None:
+                self.snap.observe(now, loss, self.engine.get_global_grad_norm())
             if self.snapshot_in_step and self.snap.due(now):
                 self.snapshot()
         self._report()
@@ -113,7 +114,7 @@ class Handle:
             self._before_update()
             before = engine.global_steps
             out = step(*a, **kw)
-            self._after_update(before)
+            self._after_update(before, self._loss)
             return out
 
         @functools.wraps(save)

@@ -132,7 +132,9 @@ class Pipeline:
     # ---- training loop ------------------------------------------------------------------------------------
     def wrap(self, before_update, after_update) -> None:
         """train_batch() runs the optimizer step inside: `before_update()` right before it (the fence),
-        `after_update(global steps before the batch)` once the batch is done (heartbeat, snapshot)."""
+        `after_update(global steps before the batch, its loss)` once the batch is done (heartbeat, the check
+        after a restore, snapshot). train_batch's loss is the batch's mean over micro-batches and replicas,
+        which DeepSpeed broadcasts from the last stage to every stage: every rank screens the same value."""
         engine = self.engine
         take, train = engine._take_model_step, engine.train_batch
 
@@ -145,7 +147,7 @@ class Pipeline:
         def wrapped_train(*a, **kw):
             before = engine.global_steps
             out = train(*a, **kw)
-            after_update(before)
+            after_update(before, out)
             return out
 
         engine._take_model_step, engine.train_batch = wrapped_take, wrapped_train

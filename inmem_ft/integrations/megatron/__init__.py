@@ -50,7 +50,7 @@ class Handle:
         from megatron.core.utils import unwrap_model
 
         from ...capture import Snapshotter
-        from ...capture.events import Unreported
+        from ...capture.monitor_metrics import Unreported
         from ...capture.views import PrivateAfterLoad
         from . import patch
         from .layout import MegatronLayout
