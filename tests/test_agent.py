@@ -330,8 +330,8 @@ def test_a_standby_takes_torchruns_command_environment_and_log_files(tmp_path, m
 
 def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_changes():
     """Two agents' c10d handlers on a real TCPStore: with the poll scaled (50 ms on 2 nodes), a node that joins a
-    round late finds the other's handler done within a fraction of torch's fixed 1 s poll; torch's module and
-    other handlers keep their 1 s."""
+    round late finds the other's handler done within a fraction of torch's fixed 1 s poll, and only the first
+    round's joins wait torch's random skew; torch's module and other handlers keep their 1 s."""
     import threading
 
     from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous, utils
@@ -347,6 +347,16 @@ def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_chang
     untouched = get_rendezvous_handler(RendezvousParameters("c10d", f"127.0.0.1:{port}", "u", 2, 2))
     assert [rendezvous.scale_polling(h, None) for h in handlers] == [(0.05, 2), (0.05, 2)]
     assert rendezvous.scale_polling(object(), None) is None  # static rendezvous: nothing polls
+    assert all(rendezvous.skew_first_join_only(h) for h in handlers) and not rendezvous.skew_first_join_only(object())
+    assert dynamic_rendezvous._delay is utils._delay  # torch's module keeps its own
+    skews: list = []
+
+    def recorded(seconds) -> None:  # torch's module-level _delay, which the skew and torch's own polls call
+        if isinstance(seconds, tuple):
+            skews.append(seconds)
+        utils._delay(seconds)
+
+    dynamic_rendezvous._delay = recorded
     done: list[list[float]] = [[], []]
     joined: list[float] = []
     late_s = 0.4
@@ -369,8 +379,51 @@ def test_rendezvous_polls_scale_with_the_nodes_and_only_the_agents_handler_chang
         lags = [max(done[0][r], done[1][r]) - joined[r - 1] for r in (1, 2)]
         assert max(lags) < 0.5, lags  # torch's: up to 1 s for the waiting node's next poll, more for its cache
     finally:
+        dynamic_rendezvous._delay = utils._delay
         for h in (*handlers, untouched):
             h.shutdown()
-    assert dynamic_rendezvous._delay is utils._delay
+    assert len(skews) == 2, skews  # each handler's first join only: the later rounds (restarts) join at once
     assert untouched._op_executor.run.__func__ is type(untouched._op_executor).run
     assert untouched._state_holder._cache_duration == 1
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_before_torch_connects(monkeypatch):
+    """A rank other than 0 that comes before rank 0's TCPStore waits for it to listen before torch connects (whose
+    refused connect would back off 0.3-1 s: storewait.py; the time saved is benchmarks/time_lost.py's); rank 0, a
+    store given or an init_method of its own are left to torch, and a port that never listens ends the wait at
+    its bound."""
+    import threading
+
+    import torch.distributed as dist
+
+    from inmem_ft.agent import storewait
+    from inmem_ft.launcher.ports import free_port
+
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "1")
+    init = dist.init_process_group
+    assert storewait.applies(init, ("gloo",), {}) == ("127.0.0.1", port)
+    assert storewait.applies(init, ("gloo",), {"rank": 0}) is None
+    assert storewait.applies(init, ("gloo", "tcp://127.0.0.1:1"), {}) is None
+    assert storewait.applies(init, (), {"backend": "gloo", "store": object()}) is None
+    started = time.monotonic()
+    assert not storewait.until_listening("127.0.0.1", port, wait_s=0.1)
+    assert time.monotonic() - started < 5
+    stores = []
+
+    def serve() -> None:
+        time.sleep(0.2)
+        stores.append(dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        assert storewait.until_listening("127.0.0.1", port)
+        server.join()
+        client = dist.TCPStore("127.0.0.1", port, 2, False)
+        client.set("k", "v")  # the probe's closed connection did not upset the store
+        assert stores[0].get("k") == b"v"
+    finally:
+        server.join()

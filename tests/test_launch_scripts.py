@@ -341,6 +341,10 @@ def test_smp_killed_under_the_script_is_restarted_protects_again_and_a_rank_kill
     assert (os.stat(os.path.dirname(sock)).st_mode & 0o777) == 0o700
     assert f"[inmem_ft] agent node=0 event=smp_lost pid={first['pid']}: starting a new one" in text, text
     assert text.count("[inmem_ft] launch node=0 event=smp_started") == 2, text
+    # The dead SMP is a failure detected at once, the ranks stopped while the new one imports (issue 42)
+    node0 = outs[0].read_text()
+    lost = node0.index("event=smp_lost")
+    assert node0.index("event=failure_detected", lost) < node0.index("event=smp_started", lost), node0
     assert len(re.findall(r"restore rank=\d+ step=\d+ source=memory", text)) >= 4, text  # after each of the kills
     seen = {}
     for rec in _records(log):

@@ -64,6 +64,7 @@ class InmemAgent(LocalElasticAgent):
         count = options.standbys if options.standbys is not None else self._worker_group.spec.local_world_size
         self.standbys = StandbyPool(os.path.join(options.work_dir, "standbys"), count, self.say) if count else None
         self._poll = rendezvous.scale_polling(self._worker_group.spec.rdzv_handler, options.rdzv_poll_s)
+        rendezvous.skew_first_join_only(self._worker_group.spec.rdzv_handler)
         self._joining_after: int | None = None  # with a node waiting to join: the last snapshot when it came
         self._last_beats: dict[int, dict] = {}  # the local ranks' heartbeats at the last poll
         self._last_call: rendezvous.LastCall | None = None  # with a node range: each round's wait for a spare
@@ -133,6 +134,9 @@ class InmemAgent(LocalElasticAgent):
         os.makedirs(self._hb_dir, exist_ok=True)
         # Every local rank inherits this process's environment; per-rank paths are derived from RANK.
         os.environ.update({telemetry.HEARTBEAT_DIR: self._hb_dir, RECORD_DIR: attempt_dir})
+        # New ranks need their SMP: one started after a dead SMP may still be coming up (its wait, if any, counts
+        # in the time lost's "agent rendezvous", the part before the ranks start; its line says how long).
+        self.smp.ready()
         launched_at = time.time()
         self._say_resized(worker_group, launched_at)
         if self.opts.nodes[0] < self.opts.nodes[1]:  # before the ranks: their first snapshot is protected by them
@@ -169,9 +173,9 @@ class InmemAgent(LocalElasticAgent):
         if not self.smp.alive():
             lost = self.smp.pid
             self.say("smp_lost", pid=lost, text="starting a new one, then restarting the ranks")
-            self.smp.start()  # before torch starts new ranks, which need it
-            if self._members:  # a new SMP forms its groups over the nodes of its start (--nodes) until told
-                membership.tell(self.opts.socket, self._members, self.say)
+            # It comes up while the ranks stop and the agents rendezvous; _start_workers waits for it (ready) and,
+            # with a node range, tells it the round's nodes (membership.regroup) before the ranks start.
+            self.smp.begin()
             if result.state == WorkerState.HEALTHY:
                 return self._recover_smp(worker_group, beats, lost)
         if result.state == WorkerState.HEALTHY:

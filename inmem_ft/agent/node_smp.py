@@ -22,12 +22,20 @@ class NodeSMP:
         self.job, self.node, self.socket, self.budget, self.extra, self.say = (job, node, socket, memory_budget,
                                                                                extra_args, say)
         self.pid: int | None = None
+        self._starting: subprocess.Popen | None = None  # `inmem-ft smp start` while it runs (begin, ready)
         self.stopped = False  # stopped once: at a signal, before torch stops the ranks, and not again at the end
         # The per-job secret goes to the SMP alone: it leaves this process's environment, which the ranks inherit.
         self._secrets = {k: os.environ.pop(k) for k in SECRETS if k in os.environ}
 
     def start(self) -> None:
-        """Start it through `inmem-ft smp start` (its options, EC included, checked there)."""
+        """Start it through `inmem-ft smp start` (its options, EC included, checked there) and wait until it
+        answers."""
+        self.begin()
+        self.ready()
+
+    def begin(self) -> None:
+        """Start it without waiting (after a dead SMP: it comes up while the ranks stop and the agents rendezvous,
+        which take as long as its imports; the ranks need it only once they start, `ready()`)."""
         found = control.ping(self.socket)
         if found:
             self.pid = found.get("pid")
@@ -38,14 +46,23 @@ class NodeSMP:
                                  "INMEM_FT_MEMORY_BUDGET), the shared memory it may use, e.g. 64GiB")
         cmd = [sys.executable, "-m", "inmem_ft", "smp", "start", "--job", self.job, "--node", str(self.node),
                "--socket", self.socket, "--memory-budget", self.budget, *self.extra]
-        proc = subprocess.run(cmd, env={**os.environ, **self._secrets}, stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True)
-        out = " | ".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.strip())
+        self.pid = None  # none to watch until it answers
+        self._starting = subprocess.Popen(cmd, env={**os.environ, **self._secrets}, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def ready(self) -> None:
+        """Wait for the SMP `begin()` started, if one is starting: it answers, or SMPUnavailable says why not."""
+        proc, self._starting = self._starting, None
+        if proc is None:
+            return
+        waited = time.monotonic()
+        out = " | ".join(line for line in proc.communicate()[0].splitlines() if line.strip())
+        waited = time.monotonic() - waited
         if proc.returncode != 0:
             raise SMPUnavailable(f"the SMP did not start: {out}")
         found = control.ping(self.socket)  # started means it answers; it says its own pid, no need to parse output
         self.pid = found.get("pid") if found else None
-        self.say("smp_started", pid=self.pid, socket=self.socket)
+        self.say("smp_started", pid=self.pid, socket=self.socket, waited_s=f"{waited:.3f}")
 
     def alive(self) -> bool:
         """Whether the SMP this agent started or reused still runs (a look at /proc: cheap enough for every
@@ -59,6 +76,11 @@ class NodeSMP:
         if self.stopped:
             return
         self.stopped = True
+        try:
+            self.ready()  # one still starting is stopped too, not left to outlive the run
+        except SMPUnavailable as e:
+            self.say("smp_not_started", text=str(e))
+            return
         if control.ping(self.socket) is None:
             self.say("smp_gone")
             return

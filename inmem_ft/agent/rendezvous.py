@@ -12,7 +12,11 @@ at most once per poll, so the store sees at most nodes / poll reads a second: 10
 
 Only this agent's handler changes, and only in those two places: its executor runs torch's own `run` (whatever
 torch version is installed) with `_delay` bound to the poll, and its state holder's cache lasts one poll.
-torch's other delays (the random skew before the first round, keep-alives, timeouts) are left as they are.
+torch's other delays (keep-alives, timeouts) are left as they are, and so is the random skew of 0-0.3 s before a
+node joins while the state is at round 0, but only at the job's start (skew_first_join_only): the round number
+advances once every participant of a complete round has left, so the first restart's joins are at round 0
+too, and each node waited its skew in turn (0.2-0.3 s each measured, in series: the healthy node leaves only
+after the failed one waits in the new round).
 """
 from __future__ import annotations
 
@@ -46,9 +50,7 @@ def scale_polling(handler, poll_s: float | None) -> tuple[float, int] | None:
     def delay(seconds) -> None:  # the SYNC poll is the only `_delay` in `run`
         dynamic_rendezvous._delay(poll)
 
-    scoped = {**run.__globals__, "_delay": delay}  # a copy: torch's module keeps its own `_delay`
-    polled_run = types.FunctionType(run.__code__, scoped, run.__name__, run.__defaults__, run.__closure__)
-    executor.run = types.MethodType(polled_run, executor)
+    executor.run = types.MethodType(_with_delay(run, delay), executor)
     holder._cache_duration = poll
     return poll, nodes
 
@@ -100,3 +102,39 @@ class LastCall:
             return None
         end = deadline.timestamp()
         return end - self.handler._settings.timeout.last_call.total_seconds(), end
+
+
+def skew_first_join_only(handler) -> bool:
+    """Make `handler` skew its join by torch's random delay at its first rendezvous only (the job's start, when
+    every node joins at once), not at a restart that still finds the state at round 0: a restart joins as
+    torch's joins at round 1 and later do. Its `next_rendezvous` is torch's own (whatever torch version is
+    installed) with `_delay` bound to a function that waits only before the first join. False where the
+    handler is not torch's dynamic rendezvous or its next_rendezvous no longer delays through `_delay`."""
+    if not isinstance(handler, dynamic_rendezvous.DynamicRendezvousHandler):
+        return False
+    join = getattr(type(handler), "next_rendezvous", None)
+    if join is None or "_delay" not in join.__code__.co_names:
+        return False
+    joined: list[bool] = []
+
+    def delay(seconds) -> None:  # the skew is the only `_delay` in `next_rendezvous`
+        if not joined:
+            dynamic_rendezvous._delay(seconds)
+
+    skewed = _with_delay(join, delay)
+
+    def next_rendezvous():
+        info = skewed(handler)
+        joined.append(True)
+        return info
+
+    handler.next_rendezvous = next_rendezvous
+    return True
+
+
+def _with_delay(function, delay):
+    """torch's `function` with its module's `_delay` bound to `delay`, in a copy of its globals (torch's module
+    keeps its own `_delay`)."""
+    scoped = {**function.__globals__, "_delay": delay}
+    return types.FunctionType(function.__code__, scoped, function.__name__, function.__defaults__,
+                              function.__closure__)

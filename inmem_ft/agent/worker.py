@@ -29,6 +29,7 @@ import threading
 import time
 
 from ..telemetry import read_record, write_record
+from . import storewait
 
 RECORD = "INMEM_FT_WORKER_RECORD"  # where the worker writes its record; set by the launcher per rank and attempt
 # torch's elastic agent (`inmem-ft run`) gives every local rank one environment: the record is then
@@ -87,7 +88,8 @@ def watch_modules(record: Record, target: str) -> None:
 
 
 def time_rendezvous(record: Record, target: str) -> None:
-    """Stamp the start and end of the first init_process_group; from then on, keep the list of modules."""
+    """Stamp the start and end of the first init_process_group; from then on, keep the list of modules. A rank
+    other than 0 connects once rank 0's store listens (storewait.py)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -100,6 +102,9 @@ def time_rendezvous(record: Record, target: str) -> None:
             record.note(rendezvous_start=time.time())
             watch_modules(record, target)
         try:
+            where = storewait.applies(original, args, kwargs)
+            if where:
+                storewait.until_listening(*where)
             return original(*args, **kwargs)
         finally:
             if first:
