@@ -143,6 +143,24 @@ class Cluster:
         assert all(steps[i] <= steps[i - 1] for i in restarts), steps
         return grown
 
+    def refused(self, lost: int, batch_args, timeout_s: float = 300) -> str:
+        """Every node started with `batch_args` (a global batch that does not divide at one node fewer, on_shrink
+        "refuse"), node `lost` lost for good after step LOST_AT: once the survivors' agents wait for a spare, node
+        `lost` starts again, and the job goes on at the full count to the end. Node 0's output."""
+        for node in range(self.nodes):
+            self.start(node, [*batch_args, "--lose-node-at", str(LOST_AT), "--die-rank", str(lost)])
+        deadline = time.monotonic() + timeout_s
+        while "event=spare_wait" not in self.out(0):
+            assert time.monotonic() < deadline and self.procs[0].poll() is None, self.out(0)[-4000:]
+            time.sleep(0.2)
+        self.start(lost, batch_args)
+        codes = self.wait(timeout_s)
+        out = self.out(0)
+        assert codes == dict.fromkeys(range(self.nodes), 0), out[-4000:]
+        assert "on_shrink is \"refuse\": the job waits for a node to join" in out
+        assert "event=spare_joined" in out and f"event=grow nodes={self.nodes - 1}->{self.nodes}" in out, out[-4000:]
+        return out
+
     def out(self, node: int) -> str:
         return (self.tmp / f"agent{node}.out").read_text()
 
@@ -377,19 +395,8 @@ def test_on_shrink_refuse_waits_for_a_node_to_join_and_goes_on_with_it(cluster, 
     on at 3 nodes from step 6."""
     c = cluster("2:3", ["--spare-wait", "1"])
     log = tmp_path / "loss.jsonl"
-    batch = ["--global-batch", "6", "--micro-batch", "2", "--on-shrink", "refuse", "--loss-log", str(log)]
-    for node in range(NODES):
-        c.start(node, [*batch, "--lose-node-at", str(LOST_AT), "--die-rank", str(LOST)])
-    deadline = time.monotonic() + 300
-    while "event=spare_wait" not in c.out(0):
-        assert time.monotonic() < deadline and c.procs[0].poll() is None, c.out(0)[-4000:]
-        time.sleep(0.2)
-    c.start(LOST, batch)
-    codes = c.wait(300)
-    out = c.out(0)
-    assert codes == {0: 0, 1: 0, 2: 0}, out[-4000:]
-    assert "on_shrink is \"refuse\": the job waits for a node to join" in out
-    assert "event=spare_joined" in out and "event=grow nodes=2->3" in out, out[-4000:]
+    out = c.refused(LOST, ["--global-batch", "6", "--micro-batch", "2", "--on-shrink", "refuse", "--loss-log",
+                           str(log)])
     assert out.count("[example] batch global=6 micro=2 accumulation=1 dp=3") == 2  # at the start, and back at 3
     assert "accumulation=1 dp=2" not in out  # never trained on another global batch
     assert re.search(r"restore rank=2 step=6 source=(peer_reconstruction|memory) ", c.out(LOST)), c.out(LOST)[-4000:]

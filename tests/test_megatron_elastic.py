@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -155,3 +156,23 @@ def test_megatron_global_batch_that_does_not_divide_on_the_new_dp_size_gets_one_
     else:
         assert "a global batch of 10" in said[0], said
         assert "[example] batch global=10 micro=2 accumulation=1 dp=5" in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_megatron_on_shrink_refuse_waits_for_a_node_to_join_and_goes_on_with_it(cluster, tmp_path):
+    """A global batch of 6 in micro-batches of 2 does not divide at DP 2: with refuse, the survivors of node 2's
+    loss exit with SPARE_EXIT as Megatron's arguments are parsed (no assertion), the agents wait until node 2 comes
+    back, and the job goes on at DP 3 from iteration 6, never having trained on another global batch."""
+    c = cluster("2:3", ["--spare-wait", "1"], example=EXAMPLE)
+    log = tmp_path / "loss.jsonl"
+    out = c.refused(LOST, ["--global-batch-size", "6", "--inmem-ft-on-shrink", "refuse", "--loss-log", str(log)])
+    survivors = out + c.out(1)
+    assert "GlobalBatchRefused: inmem_ft: global batch 6 does not divide by micro batch 2 x 2" in survivors
+    assert "AssertionError" not in survivors, survivors[-4000:]
+    assert out.count("[example] batch global=6 micro=2 accumulation=1 dp=3") == 2  # at the start, and back at 3
+    assert not re.search(r"\[example\] batch .* dp=2$", out, re.M)  # never trained on another global batch
+    assert re.search(rf"restore rank=2 step={STEP} source=(peer_reconstruction|memory) ", c.out(LOST)), \
+        c.out(LOST)[-4000:]
+    steps = [json.loads(line)["step"] for line in open(log)]
+    assert steps[-(ITERS - STEP):] == list(range(STEP + 1, ITERS + 1)), steps
+    assert steps[:-(ITERS - STEP)] in (list(range(1, LOST_AT)), list(range(1, LOST_AT + 1))), steps
