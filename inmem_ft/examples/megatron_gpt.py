@@ -12,10 +12,10 @@ Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and pi
 (gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank,
 --lose-node-at N (after iteration N, --die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node;
 --die-attempt: the restart both apply to, as torch elastic counts them), --snapshot-at N (handle.snapshot()
-in iteration N, whatever the interval), and --dump-state PATH --dump-at N[,N...] or START::EVERY (what the resharding tests
-compare: at iteration N, right after a load of it or right after training it, every rank writes PATH.rank<r>.pt:
-its parameter and optimizer pieces in model space, with their boxes, and the counters; "{restart}" in PATH is
-torch elastic's restart count, "{world}" the world size, "{iteration}" the N).
+in iteration N, whatever the interval), and --dump-state PATH --dump-at N[,N...] or START::EVERY (what the
+resharding tests compare: at iteration N, right after a load of it or right after training it, every rank
+writes PATH.rank<r>.pt: its parameter and optimizer pieces in model space, with their boxes, and the counters;
+"{restart}" in PATH is torch elastic's restart count, "{world}" the world size, "{iteration}" the N).
 
 The data position is Megatron's consumed_train_samples: its pretraining sampler hands global batch b the
 samples [b x G, (b+1) x G) of the global order (G = --global-batch-size), split into micro x DP chunks, each

@@ -32,4 +32,3 @@ def keep_global_batch(args, on_shrink: str, dp: int) -> Batch | None:
         args.use_checkpoint_opt_param_scheduler = True
     args.global_batch_size = batch.size
     return batch
-
