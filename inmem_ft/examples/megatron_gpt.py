@@ -12,10 +12,10 @@ Without CUDA it loads the test-only CPU shim (tests/megatron_cpu_shim.py) and pi
 (gloo, the local transformer, no fused kernels). Example-only flags: --loss-log, --die-at/--die-rank,
 --lose-node-at N (after iteration N, --die-rank's whole node: its SMP, its agent, itself; ds_common.lose_node;
 --die-attempt: the restart both apply to, as torch elastic counts them), --snapshot-at N (handle.snapshot()
-in iteration N, whatever the interval), and --dump-state PATH --dump-at N (what the resharding tests compare:
-at iteration N, right after a load of it or right after training it, every rank writes PATH.rank<r>.pt: its
-parameter and optimizer pieces in model space, with their boxes, and the counters; "{restart}" in PATH is
-torch elastic's restart count).
+in iteration N, whatever the interval), and --dump-state PATH --dump-at N[,N...] or START::EVERY (what the
+resharding tests compare: at iteration N, right after a load of it or right after training it, every rank
+writes PATH.rank<r>.pt: its parameter and optimizer pieces in model space, with their boxes, and the counters;
+"{restart}" in PATH is torch elastic's restart count, "{world}" the world size, "{iteration}" the N).
 
 The data position is Megatron's consumed_train_samples: its pretraining sampler hands global batch b the
 samples [b x G, (b+1) x G) of the global order (G = --global-batch-size), split into micro x DP chunks, each
@@ -49,14 +49,24 @@ DEFAULTS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
 CPU_DEFAULTS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
                 "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
+
+
+def iterations(text: str):
+    """--dump-at's N[,N...] or START::EVERY (START and every EVERY-th iteration after it), as a test of n."""
+    if "::" in text:
+        start, every = (int(n) for n in text.split("::"))
+        return lambda n: n >= start and (n - start) % every == 0
+    return {int(n) for n in text.split(",") if n}.__contains__
+
+
 EXAMPLE_FLAGS = {"--loss-log": str, "--die-at": int, "--die-rank": int, "--die-attempt": int, "--lose-node-at": int,
-                 "--dump-state": str, "--dump-at": int, "--snapshot-at": int}
+                 "--dump-state": str, "--dump-at": iterations, "--snapshot-at": int}
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], dict]:
     """The example's own flags out of the command line; Megatron's parser gets the rest (after the defaults)."""
     own, rest, i = {"loss_log": os.environ.get("INMEM_FT_LOSS_LOG"), "die_at": None, "die_rank": 0,
-                    "die_attempt": 0, "lose_node_at": None, "dump_state": None, "dump_at": None,
+                    "die_attempt": 0, "lose_node_at": None, "dump_state": None, "dump_at": iterations(""),
                     "snapshot_at": None}, [], 0
     while i < len(argv):
         if argv[i] in EXAMPLE_FLAGS:
@@ -69,7 +79,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], dict]:
     if restart != own["die_attempt"] or os.environ.get("INMEM_FT_ATTEMPT", "1") != "1":
         own["die_at"] = own["lose_node_at"] = None  # restarted after the injected failure: do not fail again
     if own["dump_state"]:  # one dump per attempt where the path asks (a shrink's restart dumps the restore)
-        own["dump_state"] = own["dump_state"].replace("{restart}", str(restart))
+        own["dump_state"] = own["dump_state"].replace("{restart}", str(restart)).replace(
+            "{world}", os.environ.get("WORLD_SIZE", "1"))  # a grow or shrink keeps torch's restart count
     return DEFAULTS + (CPU_DEFAULTS if CPU else []) + rest, own
 
 
@@ -186,12 +197,14 @@ def dump_state(path: str, model, optimizer, scheduler, iteration: int) -> None:
                            "shape": list(sh.global_shape), "offset": list(sh.global_offset),
                            "box": [1] * sh.prepend_axis_num + list(sh.local_shape), "flat": [span.start, span.end],
                            "data": value.detach().clone()})
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    # torch's Adam counts in each parameter's state, a fused Adam in its param groups; there torch's keeps the
+    # "step" Megatron's load put in (its save writes it from the state), which stays behind as training goes on.
+    steps = {float(s["step"]) for o in inner for s in o.state.values() if "step" in s} or \
+        {float(g["step"]) for o in inner for g in o.param_groups if "step" in g}
     counters = {"iteration": iteration, "consumed_train_samples": int(args.consumed_train_samples),
                 "scheduler": {k: v for k, v in scheduler.state_dict().items() if isinstance(v, (int, float))},
-                "steps": sorted({float(g["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                                 for g in o.optimizer.param_groups if "step" in g} |
-                                {float(s["step"]) for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                                 for s in o.optimizer.state.values() if "step" in s})}
+                "steps": sorted(steps)}
     torch.save({"pieces": pieces, "counters": counters}, f"{path}.rank{torch.distributed.get_rank()}.pt")
 
 
@@ -204,8 +217,9 @@ def dump_hooks(own: dict) -> None:
     live, train, log = {}, training.train, training.training_log
 
     def dump(iteration):
-        if iteration == own["dump_at"]:
-            dump_state(own["dump_state"], live["model"], live["optimizer"], live["scheduler"], iteration)
+        if own["dump_at"](iteration):
+            dump_state(own["dump_state"].replace("{iteration}", str(iteration)), live["model"], live["optimizer"],
+                       live["scheduler"], iteration)
 
     def train_then(forward_step_func, model, optimizer, opt_param_scheduler, *args, **kwargs):
         live.update(model=model, optimizer=optimizer, scheduler=opt_param_scheduler)

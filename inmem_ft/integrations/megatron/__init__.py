@@ -190,11 +190,8 @@ def install(args) -> Handle | None:
     from ...smp import paths
     from . import patch
 
-    from .batch import keep_global_batch
-
     block = block_from_args(args)
     patch.check_version(block.allow_untested)
-    keep_global_batch(args, block.on_shrink)  # a shrink or grow changed the DP size: the global batch stays
     # What the load runs is imported here, at startup, as Megatron imports its own checkpointing code: inside
     # load_checkpoint these imports (the resharding loader's pyarrow above all) took every rank at once
     # 0.1-1.3 s of the resume.

@@ -2,17 +2,21 @@
 
 Values are checked while Megatron parses its command line, so a bad one stops the job before any process
 group exists, with argparse's "argument --inmem-ft-...: ..." message naming it.
+The parse also fits --global-batch-size to the data-parallel size the job starts on (a shrink or grow changed
+it), before Megatron validates it (batch.py).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 
 from ... import argtypes
 from ...config import InmemFTBlock
 from ...errors import ConfigError
 from ...globalbatch import ON_SHRINK
+from .batch import keep_global_batch
 
 
 _interval = argtypes.bounded(int, "{text!r}: must be an integer number of iterations >= 1", minimum=1)
@@ -51,6 +55,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
                    help="JSON file with an \"inmem_ft\" block, the same as in a DeepSpeed config")
+    fit_when_parsed(parser)
     return parser
 
 
@@ -74,3 +79,22 @@ def block_from_args(args) -> InmemFTBlock:
                                    ("on_shrink", getattr(args, "inmem_ft_on_shrink", None)))
                  if v is not None}
     return dataclasses.replace(block, **overrides, enabled=True)
+
+
+def fit_when_parsed(parser: argparse.ArgumentParser) -> None:
+    """Make `parser`'s parse (parse_args goes through parse_known_args) fit the global batch of an --inmem-ft run
+    to the data-parallel size the job starts on, before Megatron validates it. The size is Megatron's own
+    reckoning, from the same $WORLD_SIZE its parse_args reads: world / (TP x PP x CP)."""
+    parse = parser.parse_known_args
+
+    def parse_and_fit(*args, **kwargs):
+        parsed, rest = parse(*args, **kwargs)
+        if getattr(parsed, "inmem_ft", False) and getattr(parsed, "global_batch_size", None) is not None:
+            model = parsed.tensor_model_parallel_size * parsed.pipeline_model_parallel_size * \
+                parsed.context_parallel_size
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world % model == 0:  # else Megatron's own check says what does not divide
+                keep_global_batch(parsed, block_from_args(parsed).on_shrink, world // model)
+        return parsed, rest
+
+    parser.parse_known_args = parse_and_fit
