@@ -287,3 +287,44 @@ def test_a_retry_of_protection_holds_off_no_snapshot_and_yields_to_a_newer_step_
         cluster.wipe_node(0)
     finally:
         cluster.stop()
+
+
+def test_a_step_built_by_the_survivors_of_a_member_lost_before_they_saw_it_built_still_decodes(job, runtime):
+    """Node 3 goes while the others have built their parity of step 2 and are still waiting to see its own: they
+    keep step 2 built (a node's own parity never decodes that node), so its slots of step 2 are read from parity,
+    not given up for step 1, and its replacement is rebuilt at step 2."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        write_step(cluster, 1)
+        wait_protected(cluster, 1)
+        survivors = (0, 1, 2)
+        write_step(cluster, 2, complete=survivors)  # node 3 is never told: it builds nothing, they wait on it
+        deadline = time.monotonic() + 60
+        while any(control.call(cluster.socket_path(n), "status")["ec"]["parity_steps"].get("2") != "built"
+                  for n in survivors):
+            assert time.monotonic() < deadline, "the survivors did not build their parity of step 2"
+            time.sleep(0.05)
+        original = {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")}
+        cluster.lose_node(3)
+        for node in survivors:
+            wait_for_log(cluster.smp_log(node), "went unreachable before their parity of step 2 was seen built", 30)
+            assert control.call(cluster.socket_path(node), "status")["ec"]["parity_steps"] == {"1": "protected",
+                                                                                                "2": "built"}
+        client = SMPClient(cluster.socket_path(0))
+        try:
+            lost = [e for e in client.catalog()["entries"] if e["node"] == 3 and e["step"] == 2]
+            assert sorted(e["rank"] for e in lost) == [6, 7] and {e["source"] for e in lost} == {"parity"}
+            for e in lost:
+                got, source = client.read(3, e["rank"], 2, 0, e["data_off"] + e["data_len"])
+                assert source == "parity" and got.tobytes() == original[f"rank{e['rank']}.step2"]
+        finally:
+            client.close()
+        cluster.start_smp(3)
+        deadline = time.monotonic() + 60
+        while (state := control.call(cluster.socket_path(3), "status")["ec"]["rebuild"]) == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert state == "ok" and "event=rebuilt step=2" in open(cluster.smp_log(3)).read()
+        assert {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")} == original
+    finally:
+        cluster.stop()

@@ -63,6 +63,11 @@ class PeerGaveUp(InmemFTError):
     """A member of the group reports that it gave up protecting the step: retrying here cannot complete it."""
 
 
+class BuiltWithout(PeerUnavailable):
+    """Members of the group went unreachable before this node saw their parity of the step built, but every other
+    member reported its own built: without the unreachable ones (at most m), the step decodes from the rest."""
+
+
 class Group(NamedTuple):
     """This node's EC group as one step's parity was (or is to be) encoded by it."""
 
@@ -299,14 +304,18 @@ class Protector:
         step, a resume or the SMP's stop superseded it meanwhile: else the newest step stays unprotected until the
         next snapshot. A member only reports the step failed once it gives up, so the rest of its group waits for
         its retry; its own next snapshot does not (see `failed`)."""
+        decodable = False  # once a BuiltWithout says so: the step's parity here decodes a lost member's data
         for attempt, delay in enumerate((*RETRY_DELAYS_S, None), 1):
             try:
                 self.protect(step, peer_failed_grace_s)
                 return
             except (InmemFTError, ValueError, OSError) as e:
+                # A member that gave up holds no parity of the step; any other failure (a retry that cannot reach
+                # the lost member, or finds it rebuilding from this very parity) leaves what the survivors built.
+                decodable = isinstance(e, BuiltWithout) or (decodable and not isinstance(e, PeerGaveUp))
                 with self.smp.lock:
                     ps = self.sets.get(step)
-                    if ps is not None and ps.state != PROTECTED:
+                    if ps is not None and ps.state != PROTECTED and not (decodable and ps.state == BUILT):
                         self.sets.pop(step).drop()
                     if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
                         self.failed, self.failed_why = step, str(e)
@@ -329,9 +338,13 @@ class Protector:
             log.info("ec node=%d event=protect_stopped step=%d reason=%s: the SMP is stopping; the step is not "
                      "protected", self.node, step, error)
             return
+        with self.smp.lock:
+            kept = step in self.sets
         events.emit(events.Source("smp", self.node), "ec", "protect_failed", say=log.warning, step=step,
                     reason=f"{error}" + (f" (not retried: {superseded})" if superseded else ""),
-                    text="the step is not protected; the group keeps the parity of the older protected step")
+                    text="the step is not protected everywhere; its parity stays built here, decodable by the "
+                         "members that built it" if kept else
+                    "the step is not protected; the group keeps the parity of the older protected step")
 
     def _superseded(self, step: int, epoch: int) -> str | None:
         """Why protecting `step`, begun in `epoch`, is moot now, if it is."""
@@ -418,12 +431,25 @@ class Protector:
         deadline = start + BUILT_WAIT_S
         pending = set(clients)
         while pending:
+            unreachable: dict[int, PeerUnavailable] = {}
             for n in sorted(pending):
-                state = clients[n].call({"op": "state"})[0]
+                try:
+                    state = clients[n].call({"op": "state"})[0]
+                except PeerUnavailable as e:
+                    if isinstance(e, PeerRefused):
+                        raise
+                    unreachable[n] = e  # the rest of the round says whether the step decodes without it
+                    continue
                 if str(step) in state["built"]:
                     pending.discard(n)
                 elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
                     raise PeerGaveUp(f"node {n} failed to build its parity of step {step}")
+            if unreachable:
+                if pending == set(unreachable) and len(pending) <= self.m:
+                    why = "; ".join(f"node {n}: {e}" for n, e in sorted(unreachable.items()))
+                    raise BuiltWithout(f"nodes {sorted(pending)} went unreachable before their parity of step "
+                                       f"{step} was seen built; every other member built its own ({why})")
+                raise unreachable[min(unreachable)]
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "
                                       f"{BUILT_WAIT_S:.0f} s")
