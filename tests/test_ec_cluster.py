@@ -292,7 +292,9 @@ def test_a_retry_of_protection_holds_off_no_snapshot_and_yields_to_a_newer_step_
 def test_a_step_built_by_the_survivors_of_a_member_lost_before_they_saw_it_built_still_decodes(job, runtime):
     """Node 3 goes while the others have built their parity of step 2 and are still waiting to see its own: they
     keep step 2 built (a node's own parity never decodes that node), so its slots of step 2 are read from parity,
-    not given up for step 1, and its replacement is rebuilt at step 2."""
+    not given up for step 1, and its replacement is rebuilt at step 2. (Node 3 is never told step 2 is complete,
+    so the others cannot see it built before it goes: what they do is the same as for a node that built and went
+    before they asked it again.)"""
     cluster = make_cluster(job, runtime, 1)
     try:
         write_step(cluster, 1)
@@ -307,7 +309,8 @@ def test_a_step_built_by_the_survivors_of_a_member_lost_before_they_saw_it_built
         original = {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")}
         cluster.lose_node(3)
         for node in survivors:
-            wait_for_log(cluster.smp_log(node), "went unreachable before their parity of step 2 was seen built", 30)
+            wait_for_log(cluster.smp_log(node), "event=protect_retry step=2 attempt=2 of 3 ", 30)
+            assert "went unreachable before their parity of step 2 was seen built" in open(cluster.smp_log(node)).read()
             assert control.call(cluster.socket_path(node), "status")["ec"]["parity_steps"] == {"1": "protected",
                                                                                                 "2": "built"}
         client = SMPClient(cluster.socket_path(0))
@@ -326,5 +329,11 @@ def test_a_step_built_by_the_survivors_of_a_member_lost_before_they_saw_it_built
             time.sleep(0.1)
         assert state == "ok" and "event=rebuilt step=2" in open(cluster.smp_log(3)).read()
         assert {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")} == original
+        # The survivors' retry finds the group whole again: it finishes step 2 with the parity they kept, and
+        # frees step 1's.
+        wait_protected(cluster, 2, timeout=protection.RETRY_DELAYS_S[0] + 30)
+        for node in survivors:
+            assert "event=reuse parity step=2 state=built" in open(cluster.smp_log(node)).read()
+            assert control.call(cluster.socket_path(node), "status")["ec"]["parity_steps"] == {"2": "protected"}
     finally:
         cluster.stop()
