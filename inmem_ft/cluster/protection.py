@@ -191,8 +191,11 @@ class Protector:
         for ps in sets:
             self.sets[ps.step] = ps
             log.info("ec node=%d event=adopt parity step=%d state=%s", self.node, ps.step, ps.state)
+        self.protected = self._newest_protected()
+
+    def _newest_protected(self) -> int | None:
         done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
-        self.protected = max(done) if done else None
+        return max(done) if done else None
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="inmem_ft-ec", daemon=True).start()
@@ -225,8 +228,7 @@ class Protector:
         for s in [s for s in self.sets if step is None or s > step]:
             self.sets.pop(s).drop()
             log.info("ec node=%d event=discard parity step=%d reason=job resumed from %s", self.node, s, step)
-        done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
-        self.protected = max(done) if done else None
+        self.protected = self._newest_protected()
         self.failed = self.gave_up = None
         self._epoch += 1
         # The step resumed from is the newest complete one now: protect it unless it is already (a trainer
@@ -402,6 +404,16 @@ class Protector:
             if self._stopping:  # a wipe may have run: a parity set made now would outlive the SMP
                 raise InmemFTError(f"node {self.node}'s SMP is stopping")
             need = paritystore.RECORD + self.m * cs
+            if self.smp.used_bytes() + need > self.smp.budget:
+                # A step kept built beside the older protected one is a third parity set: first give up parity of
+                # steps whose slots here are gone (overwritten once a protection failed), which the group can no
+                # longer decode through this node's data.
+                held = self.smp.complete_steps_held()
+                for old in [s for s in self.sets if s < step and s not in held]:
+                    self.sets.pop(old).drop()
+                    log.info("ec node=%d event=discard parity step=%d reason=its slots here were overwritten, and "
+                             "step %d's parity needs the room", self.node, old, step)
+                self.protected = self._newest_protected()
             if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
                     f"node {self.node} memory budget cannot hold {need / 2**20:.1f} MiB of parity for step {step} "
