@@ -67,6 +67,10 @@ class BuiltWithout(PeerUnavailable):
     """Members of the group went unreachable before this node saw their parity of the step built, but every other
     member reported its own built: without the unreachable ones (at most m), the step decodes from the rest."""
 
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
+
 
 class Group(NamedTuple):
     """This node's EC group as one step's parity was (or is to be) encoded by it."""
@@ -228,6 +232,16 @@ class Protector:
         for s in [s for s in self.sets if step is None or s > step]:
             self.sets.pop(s).drop()
             log.info("ec node=%d event=discard parity step=%d reason=job resumed from %s", self.node, s, step)
+        ps = self.sets.get(step)
+        if ps is not None and ps.state == BUILT and ps.built_without:
+            # Its survivors decoded the members lost after the build from it, as from a protected step (a rebuild
+            # of one seals its parity protected too): protected here now, not encoded again, and so not dropped
+            # while the survivors' other ranks may still be reading the lost members' data through it.
+            ps.seal(PROTECTED)
+            for old in [s for s in self.sets if s < step]:
+                self.sets.pop(old).drop()
+            log.info("ec node=%d event=protected_by_resume step=%d lost=%s reason=the job resumed from it, kept "
+                     "built when those members went before they were seen built", self.node, step, ps.built_without)
         self.protected = self._newest_protected()
         self.failed = self.gave_up = None
         self._epoch += 1
@@ -317,6 +331,8 @@ class Protector:
                 decodable = isinstance(e, BuiltWithout) or (decodable and not isinstance(e, PeerGaveUp))
                 with self.smp.lock:
                     ps = self.sets.get(step)
+                    if ps is not None and ps.state == BUILT and isinstance(e, BuiltWithout):
+                        ps.built_without = e.lost
                     if ps is not None and ps.state != PROTECTED and not (decodable and ps.state == BUILT):
                         self.sets.pop(step).drop()
                     if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
@@ -460,7 +476,8 @@ class Protector:
                 if pending == set(unreachable) and len(pending) <= self.m:
                     why = "; ".join(f"node {n}: {e}" for n, e in sorted(unreachable.items()))
                     raise BuiltWithout(f"nodes {sorted(pending)} went unreachable before their parity of step "
-                                       f"{step} was seen built; every other member built its own ({why})")
+                                       f"{step} was seen built; every other member built its own ({why})",
+                                       sorted(pending))
                 raise unreachable[min(unreachable)]
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "
