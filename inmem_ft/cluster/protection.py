@@ -9,6 +9,9 @@ Runs inside the SMP, beside its control socket, in background threads:
   step (a trainer killed between its commit and the job's agreement leaves a step every rank holds that no
   `complete` ever named, and the restart resumes from it), and after an SMP restart that adopted a complete
   step its predecessor had not protected. Each node logs `event=protected step=N` once the group has it.
+  Members that go before a node saw their parity built (at most m, every other member built its own) leave the
+  step decodable without them: the node keeps it built, so readers decode the lost members' data of that step
+  rather than of the older protected one; a resume from it makes it the protected step (Protector.restored).
 - rebuild, when an SMP starts with empty memory and its peers hold parity: it streams the survivors'
   chunks in pieces, decodes its node data and parity straight into its segments and installs its ranks'
   slots once they verify (cluster/rebuild.py).
@@ -320,20 +323,18 @@ class Protector:
         step, a resume or the SMP's stop superseded it meanwhile: else the newest step stays unprotected until the
         next snapshot. A member only reports the step failed once it gives up, so the rest of its group waits for
         its retry; its own next snapshot does not (see `failed`)."""
-        decodable = False  # once a BuiltWithout says so: the step's parity here decodes a lost member's data
         for attempt, delay in enumerate((*RETRY_DELAYS_S, None), 1):
             try:
                 self.protect(step, peer_failed_grace_s)
                 return
             except (InmemFTError, ValueError, OSError) as e:
-                # A member that gave up holds no parity of the step; any other failure (a retry that cannot reach
-                # the lost member, or finds it rebuilding from this very parity) leaves what the survivors built.
-                decodable = isinstance(e, BuiltWithout) or (decodable and not isinstance(e, PeerGaveUp))
                 with self.smp.lock:
                     ps = self.sets.get(step)
                     if ps is not None and ps.state == BUILT and isinstance(e, BuiltWithout):
                         ps.built_without = e.lost
-                    if ps is not None and ps.state != PROTECTED and not (decodable and ps.state == BUILT):
+                    # Parity that every member still reachable built stays, whatever a retry meets next (the lost
+                    # member unreachable, or rebuilding from this very parity), unless a member gave up: it holds none.
+                    if ps is not None and ps.state != PROTECTED and (not ps.built_without or isinstance(e, PeerGaveUp)):
                         self.sets.pop(step).drop()
                     if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
                         self.failed, self.failed_why = step, str(e)
