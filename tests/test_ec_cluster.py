@@ -287,3 +287,86 @@ def test_a_retry_of_protection_holds_off_no_snapshot_and_yields_to_a_newer_step_
         cluster.wipe_node(0)
     finally:
         cluster.stop()
+
+
+
+SURVIVORS = (0, 1, 2)
+
+
+def lose_node_3_after_the_others_built_step_2(cluster):
+    """Steps 1 (protected) and 2, whose parity nodes 0-2 built while node 3 was never told it is complete: they
+    wait to see node 3's built when it goes, as for a node that built and went before they asked it again. Returns
+    node 3's slots of step 2 (name -> bytes) as they were."""
+    write_step(cluster, 1)
+    wait_protected(cluster, 1)
+    write_step(cluster, 2, complete=SURVIVORS)
+    deadline = time.monotonic() + 60
+    while any(control.call(cluster.socket_path(n), "status")["ec"]["parity_steps"].get("2") != "built"
+              for n in SURVIVORS):
+        assert time.monotonic() < deadline, "the survivors did not build their parity of step 2"
+        time.sleep(0.05)
+    original = {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")}
+    cluster.lose_node(3)
+    for node in SURVIVORS:
+        wait_for_log(cluster.smp_log(node), "event=protect_retry step=2 attempt=2 of 3 ", 30)
+        assert "went unreachable before their parity of step 2 was seen built" in open(cluster.smp_log(node)).read()
+    return original
+
+
+def check_node_3_reads_from_parity(cluster, original):
+    client = SMPClient(cluster.socket_path(0))
+    try:
+        lost = [e for e in client.catalog()["entries"] if e["node"] == 3 and e["step"] == 2]
+        assert sorted(e["rank"] for e in lost) == [6, 7] and {e["source"] for e in lost} == {"parity"}
+        for e in lost:
+            got, source = client.read(3, e["rank"], 2, 0, e["data_off"] + e["data_len"])
+            assert source == "parity" and got.tobytes() == original[f"rank{e['rank']}.step2"]
+    finally:
+        client.close()
+
+
+def test_a_step_built_by_the_survivors_of_a_member_lost_before_they_saw_it_built_still_decodes(job, runtime):
+    """Node 3 goes while the others have built their parity of step 2 and wait to see its own: they keep step 2
+    built (a node's own parity never decodes that node), so its slots of step 2 are read from parity, not given up
+    for step 1, and its replacement is rebuilt at step 2; the survivors' retry then finishes step 2."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        original = lose_node_3_after_the_others_built_step_2(cluster)
+        for node in SURVIVORS:
+            status = control.call(cluster.socket_path(node), "status")["ec"]
+            assert status["parity_steps"] == {"1": "protected", "2": "built"} and status["protected_step"] == 1
+        check_node_3_reads_from_parity(cluster, original)
+        cluster.start_smp(3)
+        deadline = time.monotonic() + 60
+        while (state := control.call(cluster.socket_path(3), "status")["ec"]["rebuild"]) == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert state == "ok" and "event=rebuilt step=2" in open(cluster.smp_log(3)).read()
+        assert {k: v for k, v in node_bytes(cluster, 3).items() if k.endswith(".step2")} == original
+        # The group is whole again: the retry finishes step 2 with the parity kept, and frees step 1's.
+        wait_protected(cluster, 2, timeout=protection.RETRY_DELAYS_S[0] + 30)
+        for node in SURVIVORS:
+            assert "event=reuse parity step=2 state=built" in open(cluster.smp_log(node)).read()
+            assert control.call(cluster.socket_path(node), "status")["ec"]["parity_steps"] == {"2": "protected"}
+    finally:
+        cluster.stop()
+
+
+def test_the_survivors_resuming_from_a_step_kept_built_protect_it_and_snapshot_on(job, runtime):
+    """The job goes on without node 3 from step 2, which the survivors kept built: resuming from it makes it their
+    protected step (not encoded again, so node 3's data stays readable through it), and the next snapshot is
+    taken, not skipped for two pinned steps."""
+    cluster = make_cluster(job, runtime, 1)
+    try:
+        original = lose_node_3_after_the_others_built_step_2(cluster)
+        for rank in range(cluster.world_size):
+            if cluster.node_of(rank) in SURVIVORS:
+                control.call(cluster.socket_path(cluster.node_of(rank)), "restored", rank=rank, step=2)
+        for node in SURVIVORS:
+            status = control.call(cluster.socket_path(node), "status")["ec"]
+            assert status["parity_steps"] == {"2": "protected"} and status["protected_step"] == 2
+            assert "event=protected_by_resume step=2 lost=[3]" in open(cluster.smp_log(node)).read()
+        check_node_3_reads_from_parity(cluster, original)
+        write_step(cluster, 3, on=SURVIVORS, complete=SURVIVORS)  # write_step asserts no begin was skipped
+    finally:
+        cluster.stop()

@@ -34,6 +34,9 @@ class ParitySet:
     def __init__(self, segment: Segment, record: dict):
         self.segment, self.record = segment, record
         self._verified: set[int] = set()  # chunks checked once: sealed parity is never written again
+        # The members that went before this node saw their parity built, where it kept the set built without them
+        # (cluster/protection.py); not in the record: an SMP that adopts the set takes it as plainly built.
+        self.built_without: list[int] = []
 
     @classmethod
     def create(cls, prefix: str, step: int, m: int, chunk_size: int, group: dict) -> "ParitySet":

@@ -9,6 +9,9 @@ Runs inside the SMP, beside its control socket, in background threads:
   step (a trainer killed between its commit and the job's agreement leaves a step every rank holds that no
   `complete` ever named, and the restart resumes from it), and after an SMP restart that adopted a complete
   step its predecessor had not protected. Each node logs `event=protected step=N` once the group has it.
+  Members that go before a node saw their parity built (at most m, every other member built its own) leave the
+  step decodable without them: the node keeps it built, so readers decode the lost members' data of that step
+  rather than of the older protected one; a resume from it makes it the protected step (Protector.restored).
 - rebuild, when an SMP starts with empty memory and its peers hold parity: it streams the survivors'
   chunks in pieces, decodes its node data and parity straight into its segments and installs its ranks'
   slots once they verify (cluster/rebuild.py).
@@ -61,6 +64,15 @@ REACH_RETRY_S = 2 * (transport.QUIET_S + 1.0)
 
 class PeerGaveUp(InmemFTError):
     """A member of the group reports that it gave up protecting the step: retrying here cannot complete it."""
+
+
+class BuiltWithout(PeerUnavailable):
+    """Members of the group went unreachable before this node saw their parity of the step built, but every other
+    member reported its own built: without the unreachable ones (at most m), the step decodes from the rest."""
+
+    def __init__(self, message: str, lost: list[int]):
+        super().__init__(message)
+        self.lost = lost
 
 
 class Group(NamedTuple):
@@ -186,8 +198,11 @@ class Protector:
         for ps in sets:
             self.sets[ps.step] = ps
             log.info("ec node=%d event=adopt parity step=%d state=%s", self.node, ps.step, ps.state)
+        self.protected = self._newest_protected()
+
+    def _newest_protected(self) -> int | None:
         done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
-        self.protected = max(done) if done else None
+        return max(done) if done else None
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="inmem_ft-ec", daemon=True).start()
@@ -220,8 +235,17 @@ class Protector:
         for s in [s for s in self.sets if step is None or s > step]:
             self.sets.pop(s).drop()
             log.info("ec node=%d event=discard parity step=%d reason=job resumed from %s", self.node, s, step)
-        done = [s for s, ps in self.sets.items() if ps.state == PROTECTED]
-        self.protected = max(done) if done else None
+        ps = self.sets.get(step)
+        if ps is not None and ps.state == BUILT and ps.built_without:
+            # Its survivors decoded the members lost after the build from it, as from a protected step (a rebuild
+            # of one seals its parity protected too): protected here now, not encoded again, and so not dropped
+            # while the survivors' other ranks may still be reading the lost members' data through it.
+            ps.seal(PROTECTED)
+            for old in [s for s in self.sets if s < step]:
+                self.sets.pop(old).drop()
+            log.info("ec node=%d event=protected_by_resume step=%d lost=%s reason=the job resumed from it, kept "
+                     "built when those members went before they were seen built", self.node, step, ps.built_without)
+        self.protected = self._newest_protected()
         self.failed = self.gave_up = None
         self._epoch += 1
         # The step resumed from is the newest complete one now: protect it unless it is already (a trainer
@@ -306,7 +330,11 @@ class Protector:
             except (InmemFTError, ValueError, OSError) as e:
                 with self.smp.lock:
                     ps = self.sets.get(step)
-                    if ps is not None and ps.state != PROTECTED:
+                    if ps is not None and ps.state == BUILT and isinstance(e, BuiltWithout):
+                        ps.built_without = e.lost
+                    # Parity that every member still reachable built stays, whatever a retry meets next (the lost
+                    # member unreachable, or rebuilding from this very parity), unless a member gave up: it holds none.
+                    if ps is not None and ps.state != PROTECTED and (not ps.built_without or isinstance(e, PeerGaveUp)):
                         self.sets.pop(step).drop()
                     if self._epoch == epoch:  # else the job resumed meanwhile, and wanted says what to protect
                         self.failed, self.failed_why = step, str(e)
@@ -329,9 +357,13 @@ class Protector:
             log.info("ec node=%d event=protect_stopped step=%d reason=%s: the SMP is stopping; the step is not "
                      "protected", self.node, step, error)
             return
+        with self.smp.lock:
+            kept = step in self.sets
         events.emit(events.Source("smp", self.node), "ec", "protect_failed", say=log.warning, step=step,
                     reason=f"{error}" + (f" (not retried: {superseded})" if superseded else ""),
-                    text="the step is not protected; the group keeps the parity of the older protected step")
+                    text="the step is not protected everywhere; its parity stays built here, decodable by the "
+                         "members that built it" if kept else
+                    "the step is not protected; the group keeps the parity of the older protected step")
 
     def _superseded(self, step: int, epoch: int) -> str | None:
         """Why protecting `step`, begun in `epoch`, is moot now, if it is."""
@@ -390,6 +422,16 @@ class Protector:
                 raise InmemFTError(f"node {self.node}'s SMP is stopping")
             need = paritystore.RECORD + self.m * cs
             if self.smp.used_bytes() + need > self.smp.budget:
+                # A step kept built beside the older protected one is a third parity set: first give up parity of
+                # steps whose slots here are gone (overwritten once a protection failed), which the group can no
+                # longer decode through this node's data.
+                held = self.smp.complete_steps_held()
+                for old in [s for s in self.sets if s < step and s not in held]:
+                    self.sets.pop(old).drop()
+                    log.info("ec node=%d event=discard parity step=%d reason=its slots here were overwritten, and "
+                             "step %d's parity needs the room", self.node, old, step)
+                self.protected = self._newest_protected()
+            if self.smp.used_bytes() + need > self.smp.budget:
                 raise InmemFTError(
                     f"node {self.node} memory budget cannot hold {need / 2**20:.1f} MiB of parity for step {step} "
                     f"beside its slots ({self.smp.used_bytes() / 2**20:.1f} of {self.smp.budget / 2**20:.1f} MiB "
@@ -418,12 +460,26 @@ class Protector:
         deadline = start + BUILT_WAIT_S
         pending = set(clients)
         while pending:
+            unreachable: dict[int, PeerUnavailable] = {}
             for n in sorted(pending):
-                state = clients[n].call({"op": "state"})[0]
+                try:
+                    state = clients[n].call({"op": "state"})[0]
+                except PeerUnavailable as e:
+                    if isinstance(e, PeerRefused):
+                        raise
+                    unreachable[n] = e  # the rest of the round says whether the step decodes without it
+                    continue
                 if str(step) in state["built"]:
                     pending.discard(n)
                 elif state["failed"] == step and time.monotonic() > start + peer_failed_grace_s:
                     raise PeerGaveUp(f"node {n} failed to build its parity of step {step}")
+            if unreachable:
+                if pending == set(unreachable) and len(pending) <= self.m:
+                    why = "; ".join(f"node {n}: {e}" for n, e in sorted(unreachable.items()))
+                    raise BuiltWithout(f"nodes {sorted(pending)} went unreachable before their parity of step "
+                                       f"{step} was seen built; every other member built its own ({why})",
+                                       sorted(pending))
+                raise unreachable[min(unreachable)]
             if pending and time.monotonic() > deadline:
                 raise PeerUnavailable(f"nodes {sorted(pending)} did not finish the parity of step {step} within "
                                       f"{BUILT_WAIT_S:.0f} s")
