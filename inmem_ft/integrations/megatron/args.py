@@ -50,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--inmem-ft-on-shrink", choices=ON_SHRINK, default=None,
                    help="the data-parallel size changed and --global-batch-size does not divide by micro batch x "
                         "DP: 'keep' trains with the nearest number of micro-batches (and says the new global "
-                        "batch), 'refuse' stops (default: the config's on_shrink, else keep)")
+                        "batch), 'refuse' waits for a node to join under inmem-ft run (default: the config's on_shrink, else keep)")
     g.add_argument("--inmem-ft-job", type=_job, default=None, metavar="NAME",
                    help="job id naming the SMP (default: the config's, else $INMEM_FT_JOB)")
     g.add_argument("--inmem-ft-config", type=_config_file, default=None, metavar="FILE",
