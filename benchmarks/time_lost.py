@@ -467,9 +467,12 @@ def main() -> int:
             cluster.stop()
     cases = {case: summary(r) for case, r in runs.items()}
     hang_goal = args.hang_timeout + 3
+    only_loss = all(case in NODE_LOSS for case in chosen)
     results = {"launcher": "slurm_inmem.sbatch on a real SLURM (2 slurmd nodes on this machine)" if cluster else
+               f"torchrun_inmem.sh, {LOSS_NODES} nodes x 1 rank on this machine ({why})" if only_loss else
                f"torchrun_inmem.sh, 2 nodes on this machine (SLURM not available: {why})",
-               "model": "deepspeed_gpt ZeRO-2 (2 layers, hidden 64), CPU", "nodes": 2, "ranks_per_node": 2,
+               "model": "deepspeed_gpt ZeRO-2 (2 layers, hidden 64), CPU",
+               "nodes": LOSS_NODES if only_loss else 2, "ranks_per_node": 1 if only_loss else 2,
                "interval": INTERVAL, "victim_rank": VICTIM, "hang_timeout_s": args.hang_timeout,
                "repeat": args.repeat, "machine": report.machine(), "runs": runs, "cases": cases,
                "goals": goals(cases, hang_goal)}
