@@ -18,6 +18,11 @@ ranks (gloo, CPU, DS_ACCELERATOR=cpu), ZeRO-1 and ZeRO-3 in the same run. Per st
                             at its fence (the checksums of the large regions and the copy-out of the
                             optimizer state, which run behind forward/backward, and the ranks' verdict)
   first_step_after_*        the first training step after each (what moved behind forward/backward shows)
+  first_step_cold_s         the first step of a fresh engine that loaded nothing (in fresh processes too,
+                            alternating with the loads): what a first step costs a new process (autograd's
+                            and DeepSpeed's first allocations, memory the process never touched). A load's
+                            first step differs from it by what the load leaves it: Adam's moments already
+                            there, memory already faulted in, or work still running behind it
   dlrover_*                 DLRover Flash Checkpoint (benchmarks/peers/dlrover_flash.py), run under its own
                             launcher dlrover-run: memory save (the whole save_checkpoint call blocks), disk
                             save (the call, and until its saver has persisted the step), and the restore from
@@ -460,6 +465,14 @@ def phase_load(args) -> dict:
     import torch.distributed as dist
     res = {"skipped": {}}
     x = torch.randn(MICRO_BATCH, args.hidden, generator=torch.Generator().manual_seed(dist.get_rank()))
+    if args.load_kind == "cold":
+        # Nothing loaded: the first step of a fresh engine, which either restart pays on top of its load.
+        engine = build_engine(args, interval=10**9)
+        dist.barrier()
+        first = first_step(engine, x)
+        res["first_step_cold_s"] = slowest(first["step_s"])
+        res["cold_first_step_phases"] = slowest_phases(first["phases"])
+        return res
     if args.load_kind == "disk":
         engine = build_engine(args, interval=1)
         dist.barrier()
@@ -499,7 +512,7 @@ def restore(args, x, adapter) -> dict:
     first = first_step(engine, x, fence=handle.snap.fence)
     wait = first["phases"]["fence"]["s"]
     # The checks' own time in the background and their share of the wait, as the verdict recorded them.
-    deferred = {k: v for k, v in handle.snap.last_restore.phases.items() if k.startswith("verify_")}
+    deferred = {k: v for k, v in handle.snap.last_restore.phases.items() if k.startswith(("verify_", "copy_out_"))}
     phases = {**getattr(restored, "phases", {}), **deferred, "fence_wait": round(wait, 4)}
     handle.close()
     return {"restore_s": slowest(call.seconds + wait), "restore_call_s": slowest(call.seconds),
@@ -518,7 +531,7 @@ def merge_load_runs(runs: list[dict]) -> dict:
     out = {"skipped": {k: v for run in runs for k, v in run.get("skipped", {}).items()}}
     for key in ("disk_load_s", "first_step_after_disk_load_s", "restore_s", "restore_call_s",
                 "restore_fence_wait_s", "first_step_after_restore_s", "restore_reported_s", "disk_then_step_s",
-                "restore_then_step_s"):
+                "restore_then_step_s", "first_step_cold_s"):
         values = [run[key] for run in runs if run.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
@@ -530,9 +543,9 @@ def merge_load_runs(runs: list[dict]) -> dict:
         out["restore_phases"], out["restore_tier"] = median_run["restore_phases"], median_run["restore_tier"]
     # The first step's parts (time, CPU time, page faults) in the run whose restore + first step, or disk load +
     # first step, was the median one.
-    for kind in ("restore", "disk"):
-        spans = sorted([run for run in runs if run.get(f"{kind}_then_step_s") is not None],
-                       key=lambda run: run[f"{kind}_then_step_s"])
+    for kind in ("restore", "disk", "cold"):
+        span = "first_step_cold_s" if kind == "cold" else f"{kind}_then_step_s"
+        spans = sorted([run for run in runs if run.get(span) is not None], key=lambda run: run[span])
         if spans:
             out[f"{kind}_first_step_phases"] = spans[(len(spans) - 1) // 2][f"{kind}_first_step_phases"]
     return out
@@ -665,6 +678,7 @@ ROWS = [("restore_then_step_vs_disk", "restart to first step done: (restore + fi
           "first step) (goal <= 0.5)"),
         ("restore_then_step_s", "  inmem_ft restore (install() call) + first training step"),
         ("disk_then_step_s", "  engine.load_checkpoint from local disk + first training step"),
+        ("first_step_cold_s", "  for reference: a fresh engine's first training step, nothing loaded"),
         ("inmem_blocking_s", "inmem_ft: training blocked (save call + wait before the next step)"),
         ("inmem_save_call_s", "  of which: handle.snapshot() call"),
         ("torch_engine_s", "DeepSpeed TorchCheckpointEngine save_checkpoint"),
@@ -698,8 +712,10 @@ RESTORE_PHASES = [("agreement", ("list", "agree", "pull")), ("checksums before t
                   ("reads+gather of shares", ("replicated",)), ("unpack", ("unpack",)),
                   ("DeepSpeed's load (copy into the engine)", ("engine",)),
                   ("checksums in the background", ("verify_background",)),
+                  ("copy-out and private pages in the background", ("copy_out_background",)),
                   ("wait at the first step's fence", ("fence_wait",)),
                   ("  of which for this rank's checksums", ("verify_wait",)),
+                  ("  of which for the copy-out", ("copy_out_wait",)),
                   ("  of which for the ranks' vote (the last rank to reach the fence)", ("verify_vote",))]
 RATIOS = ("restore_then_step_vs_disk", "step_overhead_interval1", "step_overhead_interval10", "ratio_vs_torch_engine", "restore_vs_disk_load",
           "ratio_vs_dlrover_memory", "restore_vs_dlrover", "restore_vs_dlrover_load")
@@ -736,7 +752,8 @@ def print_table(results: dict) -> None:
             named += [(k, v) for k, v in phases.items() if k not in known]
             print(f"  ZeRO-{s} restore breakdown (slowest rank per phase): "
                   + ", ".join(f"{label} {v:.3f} s" for label, v in named))
-        for kind, label in (("restore", "after the inmem_ft restore"), ("disk", "after the disk load")):
+        for kind, label in (("restore", "after the inmem_ft restore"), ("disk", "after the disk load"),
+                            ("cold", "in a fresh engine, nothing loaded")):
             parts = results["stages"][s].get(f"{kind}_first_step_phases")
             if parts:
                 print(f"  ZeRO-{s} {label}, per part (s / CPU s / minor faults / major faults): "
@@ -882,7 +899,7 @@ def main() -> int:
                 for phase in [p for p in ("save", "inmem", "load") if p in args.phases.split(",")]:
                     # The loads in fresh processes every time, as after a restart.
                     runs = []
-                    kinds = ["disk", "memory"] * LOAD_REPEATS if phase == "load" else [""]
+                    kinds = ["disk", "memory", "cold"] * LOAD_REPEATS if phase == "load" else [""]
                     for run, kind in enumerate(kinds):
                         result = os.path.join(tmp, f"{phase}{stage}.{run}.json")
                         argv = worker_argv(args, phase, result, stage, disk_dir, counts) + [

@@ -21,7 +21,9 @@ by phase: agreement, checksums, Megatron's load) and the first training iteratio
 behind its forward/backward, and its optimizer step waits for what is left); in another fresh launch, without
 --inmem-ft: disk_load_s (Megatron's load_checkpoint of the torch_dist checkpoint under --load, barrier to
 barrier; page cache, no fsync) and its first iteration. The headline, restore_then_step_vs_disk, is restart to
-first step done: restore + first iteration against disk load + first iteration.
+first step done: restore + first iteration against disk load + first iteration. In a last launch that loads
+nothing, first_step_cold_s, for reference: a new process's first iteration (a load's first iteration differs
+from it by what the load leaves it, such as Adam's moments already there or work still behind it).
 Medians over the repeats of the slowest rank.
 """
 from __future__ import annotations
@@ -136,6 +138,10 @@ def worker(phase: str, out: str, ckpt: str, megatron_argv: list[str]) -> None:
         result["restore_phases"] = handle.restored.phases if handle.restored else {}
         if result["restore_s"] is not None:
             result["restore_then_step_s"] = result["restore_s"] + result["first_step_s"]
+    elif phase == "cold":  # a launch that loads nothing: the first iteration either restart pays anyway
+        result = {}
+        training.train = first_step(training.train, args, result)
+        example.run(cfg)
     else:  # "disk": a restart that loads the torch_dist checkpoint (--load), timed as Megatron runs it
         stock = training.load_checkpoint
 
@@ -186,7 +192,7 @@ def model_argv(opts, phase: str, ckpt: str) -> list[str]:
             "--vocab-size", "1024", "--train-iters", str(iters), "--save-interval", "1000000",
             "--ckpt-assume-constant-structure",  # both kinds of save reuse their plan across saves
             "--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore",
-            *(["--load", os.path.join(ckpt, "sync")] if phase == "disk" else inmem)]
+            *(["--load", os.path.join(ckpt, "sync")] if phase == "disk" else [] if phase == "cold" else inmem)]
 
 
 # The restore's phases (RestoreInfo.phases and the adapter's) under the names an operator asks about.
@@ -217,7 +223,7 @@ def orchestrate(opts) -> dict:
         with SimulatedCluster(1, 2, opts.job, opts.budget, os.path.join(work, "logs")) as cluster:
             # Each load in a fresh launch of its own: in one process the second would find Megatron's code
             # paths warm and its optimizer state allocated (init_state_fn skips a non-empty state).
-            for phase in ("save", "load", "disk"):
+            for phase in ("save", "load", "disk", "cold"):
                 ckpt = os.path.join(work, "ckpt")
                 argv = [os.path.abspath(__file__), "--worker", phase, os.path.join(work, phase), ckpt,
                         *model_argv(opts, phase, ckpt)]
@@ -233,6 +239,8 @@ def orchestrate(opts) -> dict:
                     for key in KEYS + BREAKDOWN:
                         results[key] = statistics.median(max(row[key] for row in ranks) for ranks in rows)
                     results["bytes_per_rank"] = max(r["bytes"] for r in per_rank)
+                elif phase == "cold":
+                    results["first_step_cold_s"] = slowest(per_rank, "first_step_s")
                 elif phase == "disk":
                     for key in ("disk_load_s", "disk_then_step_s"):
                         results[key] = slowest(per_rank, key)
@@ -300,7 +308,7 @@ def main() -> None:
     results = orchestrate(opts)
     print(f"{'':28}{'seconds':>10}")
     for key in (*KEYS, *BREAKDOWN, "restore_s", "disk_load_s", "first_step_after_restore_s",
-                "first_step_after_disk_load_s", "restore_then_step_s", "disk_then_step_s"):
+                "first_step_after_disk_load_s", "first_step_cold_s", "restore_then_step_s", "disk_then_step_s"):
         print(f"{key:28}{results[key]:>10.4f}")
     print(f"restart to first step done, restore + first step / torch_dist load + first step: "
           f"{results['restore_then_step_vs_disk']:.3f}")

@@ -13,19 +13,19 @@ from inmem_ft import SnapshotConfig, Snapshotter
 from inmem_ft.capture.views import PrivateAfterLoad
 
 
-def trained(seed):
+def trained(seed, width=64):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(width, width // 2), torch.nn.Linear(width // 2, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
-        model(torch.randn(4, 64)).pow(2).mean().backward()
+        model(torch.randn(4, width)).pow(2).mean().backward()
         opt.step()
     return model, opt
 
 
-def saved(job) -> list[torch.Tensor]:
+def saved(job, width=64) -> list[torch.Tensor]:
     """Snapshot a trained model and optimizer as step 1; their tensors, for comparison after a restore."""
-    model, opt = trained(0)
+    model, opt = trained(0, width)
     with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
         snap.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
         snap.wait()
@@ -61,15 +61,22 @@ def rewrite_slot(job, step: int = 1) -> None:
         f.write(b"\x7f" * header.data_len)
 
 
-@pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["moments-exist", "no-moments-yet"])
-def test_kept_views_get_pages_of_their_own_after_the_load(job, smp, fresh_optimizer):
+@pytest.mark.parametrize("fresh_optimizer,width", [(False, 64), (True, 64), (False, 2048)],
+                         ids=["moments-exist", "no-moments-yet", "moved-in-on-huge-pages"])
+def test_kept_views_get_pages_of_their_own_after_the_load(job, smp, fresh_optimizer, width, monkeypatch):
     """The state views a copy-on-write mapping of the slot: what the framework keeps stays where it is, its
     pages become the process's own, writing it leaves the snapshot alone, and rewriting the slot later leaves
-    it alone; nothing views the slot's shared mapping."""
-    expected = saved(job)
+    it alone; nothing views the slot's shared mapping. At 2048 wide, the moments' whole pages are copied and
+    moved in (pages._move_in_copy), not copied by the kernel a page at a time."""
+    from inmem_ft import pages
+
+    moved = []
+    move = pages._move_in_copy
+    monkeypatch.setattr(pages, "_move_in_copy", lambda a, n: moved.append(n) or move(a, n))
+    expected = saved(job, width)
     before = slot_bytes(job)
 
-    model2, opt2 = trained(1)
+    model2, opt2 = trained(1, width)
     if fresh_optimizer:
         opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     with Snapshotter(SnapshotConfig(job=job, interval=1)) as snap:
@@ -80,6 +87,7 @@ def test_kept_views_get_pages_of_their_own_after_the_load(job, smp, fresh_optimi
             model2.load_state_dict(state["model"])
             opt2.load_state_dict(state["optim"])
         assert guard.privatized > 0 and guard.copied == 0  # torch's optimizer keeps the moments it is given
+        assert bool(moved) == (width > 64)
         got = tensors(model2, opt2)
         shared = snap.mapped_storages() - cow
         assert not [t for t in got if t.untyped_storage().data_ptr() in shared]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import time
 from typing import Iterable
 
@@ -85,8 +86,9 @@ class PrivateAfterLoad:
         for k in kept:
             (stays if k[1].untyped_storage().data_ptr() in cow and k[1].is_contiguous() else moved).append(k)
         # a holder may keep one view under two names (ZeRO-3's module partitions and the buffer backing them)
-        ranges = sorted({(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays})
-        copy = _CopyOut(moved, ranges, self.snap.rank, self.release)
+        ranges = _runs({(view.data_ptr(), view.numel() * view.element_size()) for _, view, _ in stays})
+        info = self.snap.last_restore
+        copy = _CopyOut(moved, ranges, self.snap.rank, self.release, info.phases if info is not None else None)
         self.copied, self.privatized = copy.nbytes, copy.private_bytes
         if self.defer and kept:
             self.snap.before_change(copy.finish)
@@ -107,8 +109,9 @@ class _CopyOut:
     ranges of `private` (kept views of copy-on-write mappings) get pages of their own instead, with no copy
     in Python. finish() hands the copies to the framework in place of the views."""
 
-    def __init__(self, kept: list, private: list[tuple[int, int]], rank: int, release: list):
-        self.kept, self.private, self.rank, self.release = kept, private, rank, release
+    def __init__(self, kept: list, private: list[tuple[int, int]], rank: int, release: list,
+                 phases: dict | None = None):
+        self.kept, self.private, self.rank, self.release, self.phases = kept, private, rank, release, phases
         self.nbytes = sum(view.numel() * view.element_size() for _, view, _ in kept)
         self.private_bytes = sum(n for _, n in private)
         self._thread, self._error, self._seconds = None, None, 0.0
@@ -164,9 +167,24 @@ class _CopyOut:
                 raise self._error
             log.info("restore rank=%d event=copied_out bytes=%d privatized_bytes=%d background_s=%.3f waited_s=%.3f",
                      self.rank, self.nbytes, self.private_bytes, self._seconds, waited)
+            if self.phases is not None:  # the restore's breakdown (RestoreInfo.phases) shows the work it deferred
+                self.phases.update(copy_out_background=round(self._seconds, 4), copy_out_wait=round(waited, 4))
         for (put, _, _), own in zip(self.kept, self._owned):
             put(own)
         self.kept = self._owned = []
+
+
+def _runs(ranges: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, length) ranges merged where they overlap or lie less than a page apart: a slot lays its
+    tensors out one after another, and privatizing a few long runs moves whole pages at once
+    (pages.privatize) where one range per tensor would leave every tensor's edge pages to the kernel."""
+    out: list[list[int]] = []
+    for address, length in sorted(ranges):
+        if out and address <= out[-1][0] + out[-1][1] + mmap.PAGESIZE:
+            out[-1][1] = max(out[-1][1], address + length - out[-1][0])
+        else:
+            out.append([address, length])
+    return [(a, n) for a, n in out]
 
 
 def _views(value, bases: set[int]) -> bool:
