@@ -24,7 +24,8 @@ barrier; page cache, no fsync) and its first iteration. The headline, restore_th
 first step done: restore + first iteration against disk load + first iteration. In a last launch that loads
 nothing, first_step_cold_s, for reference: a new process's first iteration (a load's first iteration differs
 from it by what the load leaves it, such as Adam's moments already there or work still behind it).
-Medians over the repeats of the slowest rank.
+Every figure is the slowest rank's: the saves' medians over the repeats, the loads' over three fresh launches of
+each kind, alternating (restore, disk, nothing loaded).
 """
 from __future__ import annotations
 
@@ -201,6 +202,13 @@ RESTORE_PHASES = [("agreement", ("list", "agree", "pull")),
                   ("data-parallel shares", ("replicated",)), ("unpack", ("unpack",)),
                   ("Megatron's load_checkpoint of it (reads the slot)", ("megatron_load",))]
 SETUP = ("snapshotter", "layout")  # before restore_s starts
+LOAD_REPEATS = 3  # fresh launches of each kind of load, alternating; the figures are their medians
+# Per kind of launch: the worker's figure -> the result's name for its median.
+LOAD_KEYS = {"load": {"restore_s": "restore_s", "restore_then_step_s": "restore_then_step_s",
+                      "first_step_s": "first_step_after_restore_s"},
+             "disk": {"disk_load_s": "disk_load_s", "disk_then_step_s": "disk_then_step_s",
+                      "first_step_s": "first_step_after_disk_load_s"},
+             "cold": {"first_step_s": "first_step_cold_s"}}
 
 
 def phase_groups(phases: dict) -> dict:
@@ -223,7 +231,8 @@ def orchestrate(opts) -> dict:
         with SimulatedCluster(1, 2, opts.job, opts.budget, os.path.join(work, "logs")) as cluster:
             # Each load in a fresh launch of its own: in one process the second would find Megatron's code
             # paths warm and its optimizer state allocated (init_state_fn skips a non-empty state).
-            for phase in ("save", "load", "disk", "cold"):
+            runs = {"load": [], "disk": [], "cold": []}  # per fresh launch: the slowest rank's figures
+            for phase in ("save", *("load", "disk", "cold") * LOAD_REPEATS):
                 ckpt = os.path.join(work, "ckpt")
                 argv = [os.path.abspath(__file__), "--worker", phase, os.path.join(work, phase), ckpt,
                         *model_argv(opts, phase, ckpt)]
@@ -239,21 +248,23 @@ def orchestrate(opts) -> dict:
                     for key in KEYS + BREAKDOWN:
                         results[key] = statistics.median(max(row[key] for row in ranks) for ranks in rows)
                     results["bytes_per_rank"] = max(r["bytes"] for r in per_rank)
-                elif phase == "cold":
-                    results["first_step_cold_s"] = slowest(per_rank, "first_step_s")
-                elif phase == "disk":
-                    for key in ("disk_load_s", "disk_then_step_s"):
-                        results[key] = slowest(per_rank, key)
-                    results["first_step_after_disk_load_s"] = slowest(per_rank, "first_step_s")
-                else:
-                    for key in ("restore_s", "restore_then_step_s"):
-                        results[key] = slowest(per_rank, key)
-                    results["first_step_after_restore_s"] = slowest(per_rank, "first_step_s")
-                    ranks = [r for r in per_rank if r.get("restore_s") is not None]
-                    if ranks:  # the slowest rank's phases, so that they add up to its restore_s
-                        worst = max(ranks, key=lambda r: r["restore_s"])
-                        results["restore_phases"] = phase_groups(worst["restore_phases"])
-                        results["setup_s"] = {k: worst["restore_phases"].get(k) for k in SETUP}
+                    continue
+                run = {key: slowest(per_rank, key) for key in LOAD_KEYS[phase]}
+                ranks = [r for r in per_rank if r.get("restore_s") is not None]
+                if ranks:  # the slowest rank's phases, so that they add up to its restore_s
+                    worst = max(ranks, key=lambda r: r["restore_s"])
+                    run["restore_phases"] = phase_groups(worst["restore_phases"])
+                    run["setup_s"] = {k: worst["restore_phases"].get(k) for k in SETUP}
+                runs[phase].append(run)
+            for phase, got in runs.items():
+                for key, name in LOAD_KEYS[phase].items():
+                    values = [run[key] for run in got if run.get(key) is not None]
+                    results[name] = statistics.median(values) if values else None
+                    results[name.removesuffix("_s") + "_runs"] = values
+            mine = sorted([run for run in runs["load"] if run.get("restore_s") is not None], key=lambda r: r["restore_s"])
+            if mine:  # the breakdown of the run whose restore was the median one
+                results["restore_phases"] = mine[(len(mine) - 1) // 2]["restore_phases"]
+                results["setup_s"] = mine[(len(mine) - 1) // 2]["setup_s"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["blocked_vs_sync"] = results["inmem_blocking_s"] / results["torch_dist_sync_s"]
