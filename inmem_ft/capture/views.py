@@ -177,10 +177,11 @@ class _CopyOut:
 def _runs(ranges: set[tuple[int, int]]) -> list[tuple[int, int]]:
     """(address, length) ranges merged where they overlap or lie less than a page apart: a slot lays its
     tensors out one after another, and privatizing a few long runs moves whole pages at once
-    (pages.privatize) where one range per tensor would leave every tensor's edge pages to the kernel."""
+    (pages.privatize) where one range per tensor would leave every tensor's edge pages to the kernel. Less
+    than a page: a gap of a page or more may be a hole between two mappings, which no copy may read."""
     out: list[list[int]] = []
     for address, length in sorted(ranges):
-        if out and address <= out[-1][0] + out[-1][1] + mmap.PAGESIZE:
+        if out and address < out[-1][0] + out[-1][1] + mmap.PAGESIZE:
             out[-1][1] = max(out[-1][1], address + length - out[-1][0])
         else:
             out.append([address, length])
