@@ -112,6 +112,7 @@ def _move_in_copy(address: int, length: int) -> bool:
     False (nothing changed) where the kernel refuses a step."""
     import torch  # here: the SMP uses this module and never imports torch
 
+    # Not fresh(): a Python mmap unmaps its own range when it goes, which after the move is someone else's.
     span = length + HUGE
     base = _libc.mmap(None, ctypes.c_size_t(span), mmap.PROT_READ | mmap.PROT_WRITE,
                       mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
